@@ -1,0 +1,69 @@
+"""Every error the package raises, in one place.
+
+Errors about caller input subclass ``ValueError`` (or ``TypeError`` for a wrong type), so callers
+that already catch those keep working. Resource refusals subclass ``MemoryError``. Messages say
+what was wrong, the values involved, and what to change.
+"""
+
+from __future__ import annotations
+
+
+class DsaAsyncError(Exception):
+    """Base class of every error raised by dsa_async."""
+
+
+# --- caller input -----------------------------------------------------------------------------
+
+
+class ConfigError(DsaAsyncError, ValueError):
+    """A configuration value is out of range or not one of the accepted values."""
+
+
+class IndexValueError(DsaAsyncError, ValueError):
+    """An index tensor has a bad value or shape: negative, out of range, 2-D, mismatched lengths."""
+
+
+class IndexTypeError(DsaAsyncError, TypeError):
+    """An index argument has the wrong type, dtype or device."""
+
+
+class PageAlignmentError(DsaAsyncError, ValueError):
+    """Host and device tokens of a pair do not share their in-page offset, or a page maps twice."""
+
+
+class UnknownHostPagesError(DsaAsyncError, ValueError):
+    """Host pages that this pool never handed out, or that were already released."""
+
+
+class PagesInFlightError(DsaAsyncError, ValueError):
+    """Host pages cannot be released while a copy reads or writes them."""
+
+
+# --- resources --------------------------------------------------------------------------------
+
+
+class HostBudgetExceeded(DsaAsyncError, MemoryError):
+    """The requested host pool does not fit the host-memory budget. Nothing was allocated."""
+
+
+class HostPoolExhausted(DsaAsyncError, MemoryError):
+    """Not enough free pages in the host pool for a request."""
+
+
+class QueueFullError(DsaAsyncError, RuntimeError):
+    """The service's bound on queued requests is reached; the request was not accepted."""
+
+
+# --- state ------------------------------------------------------------------------------------
+
+
+class ServiceClosedError(DsaAsyncError, RuntimeError):
+    """The service is not running (not started yet, closing or closed)."""
+
+
+class TransferFailedError(DsaAsyncError, RuntimeError):
+    """A copy batch failed; ``__cause__`` holds the original exception."""
+
+
+class LedgerError(DsaAsyncError, RuntimeError):
+    """The machine-wide reservation ledger file is corrupt, foreign or unsafe to use."""
