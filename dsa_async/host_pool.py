@@ -1,0 +1,191 @@
+"""The host pool: one arena per cache pool, sized in whole pages, and the page-state table.
+
+All pools share one page table: host page ``p`` is a slot in every arena. Each arena is a plain
+``uint8`` tensor, allocated once and first-touched at :meth:`HostPool.create`; page-locking it
+is the CUDA backend's job (it registers exactly these bytes). Arena shapes::
+
+    HostLayout.LAYER_FIRST: [num_layers, capacity_pages, bytes_per_page_per_layer]
+    HostLayout.PAGE_FIRST:  [capacity_pages, num_layers, bytes_per_page_per_layer]
+
+Page states live in one table: ``owner`` (0 = free, else the allocation that holds the page)
+and ``in_flight`` (how many copies read or write the page right now). A page with a copy in
+flight cannot be released. Not thread-safe: owned by the event loop; every method is
+non-blocking except :meth:`HostPool.create`, which allocates and zero-fills the arenas.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .errors import PagesInFlightError, UnknownHostPagesError
+from .extents import ExtentAllocator
+from .geometry import HostLayout, PageGeometry
+from .pages import page_tokens
+
+
+@dataclass(frozen=True)
+class HostPoolStatistics:
+    """Current state of the pool, in pages (no counters, no times)."""
+
+    capacity_pages: int
+    used_pages: int
+    free_pages: int
+    largest_free_extent_pages: int
+    in_flight_pages: int
+
+
+class HostPages:
+    """A handle to host pages from one allocation (``pages``: ``int64 [n_pages]``, in order).
+
+    Valid until released; the pool refuses a released or foreign handle.
+    """
+
+    __slots__ = ("pages", "allocation_id", "page_size_tokens")
+
+    def __init__(self, pages: np.ndarray, allocation_id: int, page_size_tokens: int) -> None:
+        self.pages = pages
+        self.allocation_id = allocation_id
+        self.page_size_tokens = page_size_tokens
+
+    @property
+    def num_pages(self) -> int:
+        return int(self.pages.size)
+
+    def token_indices(self) -> torch.Tensor:
+        """Every host token slot of these pages, page by page (``int64 [n_pages * page_size]``)."""
+        return torch.from_numpy(page_tokens(self.pages, self.page_size_tokens))
+
+    def __repr__(self) -> str:
+        return f"HostPages(allocation={self.allocation_id}, pages={self.num_pages})"
+
+
+class HostPool:
+    """Arenas plus the page-extent allocator and page-state table for one shared page table."""
+
+    def __init__(self, geometries: Sequence[PageGeometry], capacity_pages: int) -> None:
+        assert geometries and capacity_pages > 0
+        sizes = {g.page_size_tokens for g in geometries}
+        assert len(sizes) == 1, "pools that share a page table share the page size"
+        self.geometries = tuple(geometries)
+        self.capacity_pages = capacity_pages
+        self.page_size_tokens = sizes.pop()
+        self.arenas: dict[str, torch.Tensor] = {}
+        self.startup_s = 0.0
+        self._extents = ExtentAllocator(capacity_pages)
+        self._owner = np.zeros(capacity_pages, dtype=np.int64)
+        self._in_flight = np.zeros(capacity_pages, dtype=np.int32)
+        self._in_flight_pages = 0
+        self._ids = itertools.count(1)
+
+    @classmethod
+    def create(cls, geometries: Sequence[PageGeometry], capacity_pages: int) -> HostPool:
+        """Allocate and first-touch every arena. Blocks for the zero-fill (run it off the loop)."""
+        pool = cls(geometries, capacity_pages)
+        started = time.perf_counter()
+        for g in pool.geometries:
+            if g.host_layout is HostLayout.LAYER_FIRST:
+                shape = (g.num_layers, capacity_pages, g.bytes_per_page_per_layer)
+            else:
+                shape = (capacity_pages, g.num_layers, g.bytes_per_page_per_layer)
+            arena = torch.empty(shape, dtype=torch.uint8)
+            arena.view(-1).zero_()  # first touch: parallel over torch's intra-op threads
+            pool.arenas[g.name] = arena
+        pool.startup_s = time.perf_counter() - started
+        return pool
+
+    @property
+    def bytes_per_page(self) -> int:
+        """Host bytes of one shared page across every pool and layer."""
+        return sum(g.bytes_per_page for g in self.geometries)
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.capacity_pages * self.bytes_per_page
+
+    @property
+    def free_pages(self) -> int:
+        return self._extents.free_pages
+
+    # --- allocation -----------------------------------------------------------------------
+
+    def allocate(self, num_pages: int) -> HostPages | None:
+        """Take ``num_pages`` pages (fewest runs, best fit) or return ``None`` if too few are free."""
+        runs = self._extents.allocate(num_pages)
+        if runs is None:
+            return None
+        pages = np.concatenate([np.arange(s, s + n, dtype=np.int64) for s, n in runs])
+        allocation_id = next(self._ids)
+        self._owner[pages] = allocation_id
+        return HostPages(pages, allocation_id, self.page_size_tokens)
+
+    def check_owned(self, handle: HostPages) -> None:
+        """Raise ``UnknownHostPagesError`` unless every page of ``handle`` is still held by it."""
+        if not isinstance(handle, HostPages):
+            raise TypeError(f"expected HostPages, got {type(handle).__name__}")
+        pages = handle.pages
+        if pages.size and (
+            int(pages.max()) >= self.capacity_pages
+            or not (self._owner[pages] == handle.allocation_id).all()
+        ):
+            raise UnknownHostPagesError(
+                f"{handle!r} is not held by this pool: it was already released or comes from "
+                f"another service; use a handle returned by this service and release it once"
+            )
+
+    def check_allocated(self, pages: np.ndarray, *, name: str) -> None:
+        """Raise unless every page (``int64 [n]``, in range) belongs to some live allocation."""
+        free = self._owner[pages] == 0
+        if free.any():
+            page = int(pages[np.argmax(free)])
+            raise UnknownHostPagesError(
+                f"{name} names host page {page}, which no live allocation holds; host slots "
+                f"must come from allocate_host_pages() (and not be released yet)"
+            )
+
+    def release(self, handle: HostPages) -> None:
+        """Return the pages of ``handle``; refuses (changing nothing) if a copy uses any of them."""
+        self.check_owned(handle)
+        busy = self._in_flight[handle.pages] > 0
+        if busy.any():
+            raise PagesInFlightError(
+                f"{handle!r}: {int(busy.sum())} of its {handle.num_pages} pages are in flight "
+                f"(host page {int(handle.pages[np.argmax(busy)])} first); await the transfer "
+                f"that uses them before release()"
+            )
+        self._owner[handle.pages] = 0
+        self._extents.free_pages_array(handle.pages)
+
+    # --- in-flight state --------------------------------------------------------------------
+
+    def begin_copy(self, pages: np.ndarray) -> None:
+        """Mark ``pages`` as used by one more copy (they cannot be released until end_copy)."""
+        self._bump(pages, 1)
+
+    def end_copy(self, pages: np.ndarray) -> None:
+        """The copy that began on ``pages`` completed (or never started)."""
+        self._bump(pages, -1)
+        assert (self._in_flight[pages] >= 0).all(), "end_copy without begin_copy"
+
+    def _bump(self, pages: np.ndarray, delta: int) -> None:
+        before = self._in_flight[pages]
+        # Pages are distinct within one copy, so plain fancy-index assignment is exact.
+        self._in_flight[pages] = before + delta
+        self._in_flight_pages += int(np.count_nonzero(before + delta)) - int(
+            np.count_nonzero(before)
+        )
+
+    def statistics(self) -> HostPoolStatistics:
+        free = self._extents.free_pages
+        return HostPoolStatistics(
+            capacity_pages=self.capacity_pages,
+            used_pages=self.capacity_pages - free,
+            free_pages=free,
+            largest_free_extent_pages=self._extents.largest_free_extent_pages,
+            in_flight_pages=self._in_flight_pages,
+        )

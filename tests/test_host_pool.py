@@ -1,0 +1,120 @@
+"""The page-extent allocator and the page-state table."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dsa_async.errors import PagesInFlightError, UnknownHostPagesError
+from dsa_async.extents import ExtentAllocator
+from dsa_async.geometry import HostLayout, dsa_indexer, mla_kv
+from dsa_async.host_pool import HostPool
+
+
+@settings(max_examples=200)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 40), st.integers(0, 1000)), max_size=80))
+def test_allocator_never_hands_out_a_page_twice_and_merges_back(ops):
+    capacity = 256
+    alloc = ExtentAllocator(capacity)
+    held: list[list[tuple[int, int]]] = []
+    owned = np.zeros(capacity, dtype=bool)
+    for is_alloc, size, pick in ops:
+        if is_alloc or not held:
+            runs = alloc.allocate(size)
+            if runs is None:
+                assert alloc.free_pages < size
+                continue
+            assert sum(n for _, n in runs) == size
+            for s, n in runs:
+                assert not owned[s:s + n].any(), "page handed out twice"
+                owned[s:s + n] = True
+            held.append(runs)
+        else:
+            runs = held.pop(pick % len(held))
+            for s, n in runs:
+                alloc.free(s, n)
+                owned[s:s + n] = False
+        assert alloc.free_pages == capacity - owned.sum()
+        extents = alloc.free_extents
+        for (s1, n1), (s2, _) in zip(extents, extents[1:]):
+            assert s1 + n1 < s2, "adjacent free extents must be merged"
+    for runs in held:
+        for s, n in runs:
+            alloc.free(s, n)
+    assert alloc.free_extents == [(0, capacity)]
+
+
+def test_allocation_prefers_one_best_fit_run():
+    alloc = ExtentAllocator(100)
+    a = alloc.allocate(10)
+    b = alloc.allocate(30)
+    c = alloc.allocate(5)
+    alloc.allocate(55)
+    alloc.free(*a[0])  # hole of 10 at 0
+    alloc.free(*c[0])  # hole of 5 at 40
+    assert alloc.allocate(5) == [(40, 5)]  # best fit, not first fit
+    alloc.free(*b[0])  # 0..40 free again (merged)
+    assert alloc.free_extents == [(0, 40)]
+
+
+def test_fallback_uses_the_fewest_runs():
+    alloc = ExtentAllocator(30)
+    runs = [alloc.allocate(1)[0] for _ in range(30)]
+    for start, n in runs[0:3] + runs[5:15] + runs[20:26]:  # free extents of 3, 10, 6
+        alloc.free(start, n)
+    got = alloc.allocate(15)
+    assert got == [(5, 10), (20, 5)]
+
+
+def _pool(pages=32, layout=HostLayout.LAYER_FIRST):
+    geos = [dsa_indexer(num_layers=3, host_layout=layout), mla_kv(num_layers=3, host_layout=layout)]
+    return HostPool.create(geos, pages)
+
+
+@pytest.mark.parametrize("layout", list(HostLayout))
+def test_arenas_have_exact_whole_page_sizes(layout):
+    pool = _pool(10, layout)
+    idx = pool.arenas["indexer"]
+    assert idx.numel() == 10 * 3 * 8448 and idx.dtype == torch.uint8
+    assert pool.arenas["kv"].numel() == 10 * 3 * 64 * 656
+    assert pool.capacity_bytes == 10 * 3 * (8448 + 64 * 656)
+    assert int(idx.max()) == 0 and pool.startup_s > 0
+
+
+def test_release_checks_ownership_and_in_flight_state():
+    pool = _pool()
+    start = pool.statistics()
+    h = pool.allocate(5)
+    assert pool.statistics().used_pages == 5
+    pool.begin_copy(h.pages[:2])
+    assert pool.statistics().in_flight_pages == 2
+    with pytest.raises(PagesInFlightError, match="2 of its 5 pages are in flight"):
+        pool.release(h)
+    assert pool.statistics().used_pages == 5  # refusal changed nothing
+    pool.end_copy(h.pages[:2])
+    pool.release(h)
+    with pytest.raises(UnknownHostPagesError, match="already released"):
+        pool.release(h)
+    assert pool.statistics() == start
+
+
+def test_handle_lists_its_token_indices():
+    pool = _pool()
+    pool.allocate(2)
+    h = pool.allocate(2)
+    assert h.token_indices().tolist() == list(range(128, 256))
+
+
+def test_exhaustion_returns_none_and_changes_nothing():
+    pool = _pool(4)
+    assert pool.allocate(5) is None
+    assert pool.statistics().free_pages == 4
+
+
+def test_unallocated_pages_are_refused_for_explicit_slots():
+    pool = _pool()
+    h = pool.allocate(2)
+    pool.check_allocated(h.pages, name="host_tokens")
+    with pytest.raises(UnknownHostPagesError, match="host page 7"):
+        pool.check_allocated(np.array([0, 7]), name="host_tokens")
