@@ -1,0 +1,140 @@
+"""What one engine submission carries (``CopyBatch``) and how its progress is seen (``BatchHandle``).
+
+A batch moves the same page pairs in every pool that shares the page table. The service builds
+batches; an engine executes them in submission order per direction (a stream, or a worker thread
+playing one) and reports progress through the handle: per-layer readiness, completion, error and
+the copy's duration.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import TransferFailedError
+from ..kinds import Direction
+
+_batch_ids = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class Dependency:
+    """Start only after ``handle`` completes; ``needs_data``: fail too if it failed (RAW)."""
+
+    handle: BatchHandle
+    needs_data: bool
+
+
+@dataclass(frozen=True)
+class CopyBatch:
+    """Page pairs to move in one direction (``host_pages``/``device_pages``: ``int64 [n]``).
+
+    ``after`` is the caller's producer (an event or stream on CUDA, a ``threading.Event`` on
+    CPU, or ``None``); ``deps`` are earlier batches this one must follow (hazards).
+    """
+
+    direction: Direction
+    host_pages: np.ndarray
+    device_pages: np.ndarray
+    deps: tuple[Dependency, ...] = ()
+    after: object = None
+    batch_id: int = field(default_factory=lambda: next(_batch_ids))
+
+    @property
+    def num_pages(self) -> int:
+        return int(self.host_pages.size)
+
+
+class BatchHandle:
+    """Progress of one batch, shared between the engine's threads and the loop.
+
+    ``layers_ready``: leading layers whose copy completed; ``layers_issued``: leading layers
+    whose copy was enqueued (equal to ``layers_ready`` on CPU; ahead of it on CUDA, where each
+    issued layer has an event in ``layer_events``). ``done`` is set once, after success or error.
+    """
+
+    def __init__(self, batch: CopyBatch, num_layers: int) -> None:
+        self.batch = batch
+        self.num_layers = num_layers
+        self.layers_ready = 0
+        self.layers_issued = 0
+        self.layer_events: list[object] = []
+        self.error: BaseException | None = None
+        self.duration_s = 0.0
+        self.done = threading.Event()
+        self._cond = threading.Condition()
+        self._layer_waiters: list[tuple[int, Callable[[], None]]] = []
+
+    # --- engine side ----------------------------------------------------------------------
+
+    def mark_issued(self, layers: int) -> None:
+        with self._cond:
+            self.layers_issued = layers
+            self._cond.notify_all()
+
+    def mark_ready(self, layers: int) -> list[Callable[[], None]]:
+        """Advance readiness; returns the loop callbacks now due (the engine hands them off)."""
+        with self._cond:
+            self.layers_ready = layers
+            self.layers_issued = max(self.layers_issued, layers)
+            due = [cb for i, cb in self._layer_waiters if i < layers]
+            self._layer_waiters = [(i, cb) for i, cb in self._layer_waiters if i >= layers]
+            self._cond.notify_all()
+        return due
+
+    def finish(self, error: BaseException | None, duration_s: float) -> list[Callable[[], None]]:
+        """Record the outcome and set ``done``; returns every pending loop callback."""
+        with self._cond:
+            self.error = error
+            self.duration_s = duration_s
+            if error is None:
+                self.layers_ready = self.layers_issued = self.num_layers
+            due = [cb for _, cb in self._layer_waiters]
+            self._layer_waiters = []
+            self.done.set()
+            self._cond.notify_all()
+        return due
+
+    # --- waiter side ----------------------------------------------------------------------
+
+    def on_layer_ready(self, layer: int, callback: Callable[[], None]) -> bool:
+        """Register ``callback`` for when ``layer`` is ready (or the batch fails).
+
+        Returns ``False`` (and registers nothing) if that already happened: call it yourself.
+        """
+        with self._cond:
+            if layer < self.layers_ready or self.done.is_set():
+                return False
+            self._layer_waiters.append((layer, callback))
+            return True
+
+    def wait_issued(self, layer: int, timeout_s: float | None = None) -> None:
+        """Block the calling thread until ``layer`` was issued; raise if the batch failed."""
+        with self._cond:
+            ok = self._cond.wait_for(
+                lambda: self.layers_issued > layer or self.done.is_set(), timeout_s
+            )
+        self._raise_if_failed(layer)
+        if not ok:
+            raise TimeoutError(f"layer {layer} of batch {self.batch.batch_id} not issued in time")
+
+    def wait_ready(self, layer: int, timeout_s: float | None = None) -> None:
+        """Block the calling thread until ``layer`` is ready; raise if the batch failed."""
+        with self._cond:
+            ok = self._cond.wait_for(
+                lambda: self.layers_ready > layer or self.done.is_set(), timeout_s
+            )
+        self._raise_if_failed(layer)
+        if not ok:
+            raise TimeoutError(f"layer {layer} of batch {self.batch.batch_id} not ready in time")
+
+    def _raise_if_failed(self, layer: int) -> None:
+        if self.error is not None and self.layers_ready <= layer:
+            raise TransferFailedError(
+                f"{self.batch.direction.value} batch {self.batch.batch_id} failed before "
+                f"layer {layer} was ready: {self.error!r}"
+            ) from self.error

@@ -1,0 +1,119 @@
+"""How one pool's bytes are laid out on each side, as the copy code sees them.
+
+Device buffers come as the inference server holds them: a list of per-layer tensors (each
+``[device_pages, bytes_per_page_per_layer]`` bytes, separately allocated as SGLang does, or
+views of one allocation), or one 3-D tensor ``[num_layers, device_pages, bytes_per_page_per_layer]``.
+Any dtype is accepted; the copy sees raw bytes. When the per-layer tensors are equally spaced
+views of one allocation, a fused 3-D view is built so one copy can cross every layer.
+
+The host arena is seen as ``[num_layers, host_pages, bytes_per_page_per_layer]`` whatever its
+layout (``page_first`` gives a strided view).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ConfigError
+from ..geometry import HostLayout, PageGeometry
+
+DeviceBuffers = torch.Tensor | Sequence[torch.Tensor]
+
+
+def _as_page_rows(t: torch.Tensor, geometry: PageGeometry, what: str) -> torch.Tensor:
+    """View one layer's tensor as ``uint8 [pages, bytes_per_page_per_layer]`` without copying."""
+    row = geometry.bytes_per_page_per_layer
+    if not isinstance(t, torch.Tensor):
+        raise ConfigError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_contiguous():
+        raise ConfigError(f"{what} must be contiguous (got strides {t.stride()})")
+    nbytes = t.numel() * t.element_size()
+    if nbytes % row:
+        raise ConfigError(
+            f"{what} holds {nbytes:,} B, not a whole number of {geometry.name} pages of "
+            f"{row:,} B ({geometry.page_size_tokens} tokens x {geometry.bytes_per_token_per_layer} "
+            f"B); shape {tuple(t.shape)} dtype {t.dtype}"
+        )
+    return t.reshape(-1).view(torch.uint8).view(-1, row)
+
+
+def _fused_view(layers: list[torch.Tensor]) -> torch.Tensor | None:
+    """A ``[L, P, B]`` view when the layers are equally spaced views of one allocation."""
+    if len(layers) < 2:
+        return layers[0].unsqueeze(0) if layers else None
+    base = layers[0]
+    storage = base.untyped_storage().data_ptr()
+    if any(t.untyped_storage().data_ptr() != storage or t.shape != base.shape for t in layers):
+        return None
+    offsets = [t.storage_offset() for t in layers]
+    step = offsets[1] - offsets[0]
+    if step < base.numel() or any(b - a != step for a, b in zip(offsets, offsets[1:])):
+        return None
+    rows, row_bytes = base.shape
+    return torch.as_strided(base, (len(layers), rows, row_bytes), (step, row_bytes, 1),
+                            base.storage_offset())
+
+
+@dataclass(frozen=True)
+class PoolBinding:
+    """One pool's host arena and device buffers, viewed as page rows of raw bytes."""
+
+    geometry: PageGeometry
+    host: torch.Tensor  #: uint8 [L, host_pages, B] (strided for page_first)
+    device_layers: tuple[torch.Tensor, ...]  #: L x uint8 [device_pages, B]
+    device_fused: torch.Tensor | None  #: uint8 [L, device_pages, B] when one allocation
+
+    @property
+    def device_pages(self) -> int:
+        return int(self.device_layers[0].shape[0])
+
+    @property
+    def device(self) -> torch.device:
+        return self.device_layers[0].device
+
+
+def bind_pool(geometry: PageGeometry, arena: torch.Tensor, device: DeviceBuffers) -> PoolBinding:
+    """Check ``device`` against ``geometry`` and build the views the copy code uses."""
+    name = geometry.name
+    if isinstance(device, torch.Tensor):
+        if device.dim() != 3 or device.shape[0] != geometry.num_layers:
+            raise ConfigError(
+                f"pool {name!r}: a single device tensor must be 3-D [num_layers="
+                f"{geometry.num_layers}, pages, bytes]; got shape {tuple(device.shape)}"
+            )
+        layers = [_as_page_rows(device[i], geometry, f"pool {name!r} layer {i}")
+                  for i in range(geometry.num_layers)]
+    elif isinstance(device, Sequence) and not isinstance(device, (str, bytes)):
+        if len(device) != geometry.num_layers:
+            raise ConfigError(
+                f"pool {name!r}: got {len(device)} per-layer device tensors for "
+                f"{geometry.num_layers} layers; pass one tensor per layer"
+            )
+        layers = [_as_page_rows(t, geometry, f"pool {name!r} layer {i}")
+                  for i, t in enumerate(device)]
+    else:
+        raise ConfigError(
+            f"pool {name!r}: device buffers must be a list of per-layer tensors or one 3-D "
+            f"tensor, got {type(device).__name__}"
+        )
+    if len({(t.shape, t.device) for t in layers}) != 1:
+        raise ConfigError(f"pool {name!r}: every layer must have the same shape and device")
+    host = arena if geometry.host_layout is HostLayout.LAYER_FIRST else arena.transpose(0, 1)
+    return PoolBinding(geometry, host, tuple(layers), _fused_view(layers))
+
+
+def wide_view(t: torch.Tensor) -> torch.Tensor:
+    """The same bytes as the widest integer type that divides rows and alignment.
+
+    Index ops on ``uint8`` rows are several times slower than on ``int64`` rows.
+    """
+    row = t.shape[-1]
+    for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+        if row % size == 0 and t.data_ptr() % size == 0 and all(
+            s % size == 0 for s in t.stride()[:-1]
+        ):
+            return t.view(dtype)
+    return t

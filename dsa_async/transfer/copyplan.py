@@ -1,0 +1,142 @@
+"""Coalescing: turn one batch's page pairs into the fewest copy calls, and run them on the CPU.
+
+The plan is computed once per batch and shared by every pool (they share the page table):
+
+* ``runs`` — pairs where host and device both advance together (one ``copy_`` each);
+* host ``segments`` — maximal host-contiguous stretches; a segment whose device side is
+  scattered moves with one gather (``index_select(out=host_segment)``) or one scatter
+  (``index_copy_`` from it) per layer, a single pass over the bytes;
+* otherwise (scattered on both sides) a gather into a reused staging buffer then a scatter.
+
+Index ops run on wide-integer views of the byte rows (``int64`` when the row size allows),
+several times faster than on ``uint8`` rows. When the device layers are one 3-D allocation,
+each run is one strided copy across a group of layers.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..kinds import Direction
+from ..pages import page_runs
+from .buffers import PoolBinding, wide_view
+
+#: Below this many bytes per call, Python and dispatch overhead dominate a copy.
+MIN_BYTES_PER_CALL = 256 * 1024
+
+
+class CopyMode(enum.Enum):
+    SEGMENTS = "segments"  #: host side in few contiguous stretches: one pass per stretch
+    SCATTER = "scatter"  #: both sides scattered: gather to staging, then scatter
+
+
+@dataclass(frozen=True)
+class Segment:
+    host_start: int
+    num_pages: int
+    device_start: int  #: first device page when ``device_index`` is None (contiguous)
+    device_index: torch.Tensor | None  #: int64 [num_pages] when scattered on the device
+
+
+@dataclass(frozen=True)
+class PagePlan:
+    """Precomputed indices and coalescing for one batch (all tensors ``int64``, CPU)."""
+
+    num_pages: int
+    host_index: torch.Tensor  #: [n]
+    device_index: torch.Tensor  #: [n]
+    runs: np.ndarray  #: [r, 3] (host_start, device_start, length)
+    segments: tuple[Segment, ...]
+    mode: CopyMode
+
+    @classmethod
+    def build(cls, host_pages: np.ndarray, device_pages: np.ndarray) -> PagePlan:
+        n = int(host_pages.size)
+        runs = page_runs(host_pages, device_pages)
+        host_index = torch.from_numpy(host_pages)
+        device_index = torch.from_numpy(device_pages)
+        breaks = np.flatnonzero(np.diff(host_pages) != 1) + 1 if n else np.zeros(0, np.int64)
+        bounds = np.concatenate(([0], breaks, [n])) if n else np.zeros(1, np.int64)
+        segments = []
+        if bounds.size - 1 <= max(1, n // 4):
+            for s, e in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+                dev = device_pages[s:e]
+                contiguous = bool((np.diff(dev) == 1).all())
+                segments.append(Segment(int(host_pages[s]), e - s, int(dev[0]),
+                                        None if contiguous else device_index[s:e]))
+            mode = CopyMode.SEGMENTS
+        else:
+            mode = CopyMode.SCATTER
+        return cls(n, host_index, device_index, runs, tuple(segments), mode)
+
+    def layer_group(self, binding: PoolBinding) -> int:
+        """Layers per copy call so each call moves enough bytes (fused device views only)."""
+        if binding.device_fused is None or not self.runs.size:
+            return 1
+        avg_run_bytes = self.num_pages / len(self.runs) * binding.geometry.bytes_per_page_per_layer
+        return max(1, min(binding.geometry.num_layers, math.ceil(MIN_BYTES_PER_CALL / avg_run_bytes)))
+
+
+class Staging:
+    """A reusable gather buffer, grown on demand; one per worker thread (never shared)."""
+
+    def __init__(self) -> None:
+        self._buffer = torch.empty(0, dtype=torch.uint8)
+
+    def rows(self, like: torch.Tensor, num_rows: int) -> torch.Tensor:
+        nbytes = num_rows * like.shape[-1] * like.element_size()
+        if self._buffer.numel() < nbytes:
+            self._buffer = torch.empty(nbytes, dtype=torch.uint8)
+        return self._buffer[:nbytes].view(like.dtype).view(num_rows, like.shape[-1])
+
+
+def copy_layers_cpu(binding: PoolBinding, plan: PagePlan, direction: Direction, first: int,
+                    last: int, staging: Staging) -> None:
+    """Copy layers ``[first, last)`` of one pool for ``plan``. Blocks the calling thread."""
+    to_host = direction is Direction.D2H
+    if binding.device_fused is not None:
+        host, dev = binding.host[first:last], binding.device_fused[first:last]
+        for h, d, k in plan.runs.tolist():
+            if to_host:
+                host[:, h:h + k].copy_(dev[:, d:d + k])
+            else:
+                dev[:, d:d + k].copy_(host[:, h:h + k])
+        return
+    for layer in range(first, last):
+        host = binding.host[layer]
+        dev = binding.device_layers[layer]
+        if plan.mode is CopyMode.SEGMENTS and host.is_contiguous():
+            _copy_segments(host, dev, plan, to_host)
+        else:
+            _copy_scattered(host, dev, plan, to_host, staging)
+
+
+def _copy_segments(host: torch.Tensor, dev: torch.Tensor, plan: PagePlan, to_host: bool) -> None:
+    for seg in plan.segments:
+        h = host[seg.host_start:seg.host_start + seg.num_pages]
+        if seg.device_index is None:
+            d = dev[seg.device_start:seg.device_start + seg.num_pages]
+            (h.copy_(d) if to_host else d.copy_(h))
+        elif to_host:
+            torch.index_select(wide_view(dev), 0, seg.device_index, out=wide_view(h))
+        else:
+            wide_view(dev).index_copy_(0, seg.device_index, wide_view(h))
+
+
+def _copy_scattered(host: torch.Tensor, dev: torch.Tensor, plan: PagePlan, to_host: bool,
+                    staging: Staging) -> None:
+    src, dst = (dev, host) if to_host else (host, dev)
+    src_index, dst_index = (
+        (plan.device_index, plan.host_index) if to_host else (plan.host_index, plan.device_index)
+    )
+    src_w, dst_w = wide_view(src), wide_view(dst)
+    if src_w.dtype != dst_w.dtype:  # one side strided differently: fall back to bytes
+        src_w, dst_w = src, dst
+    buffer = staging.rows(src_w, plan.num_pages)
+    torch.index_select(src_w, 0, src_index, out=buffer)
+    dst_w.index_copy_(0, dst_index, buffer)

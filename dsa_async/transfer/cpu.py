@@ -1,0 +1,102 @@
+"""CPU backend: one worker thread per direction plays the role of a CUDA stream.
+
+Same semantics as the CUDA backend on plain tensors: FIFO per direction, per-layer readiness,
+dependencies honoured by waiting in the worker (as ``stream.wait_event`` would), completions
+handed to the loop in batches. torch releases the GIL during copies, so copies overlap with
+compute in other threads, as on a GPU.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+from ..errors import TransferFailedError
+from ..kinds import Backend, Direction
+from .base import TransferEngine
+from .batch import BatchHandle, CopyBatch
+from .copyplan import PagePlan, Staging, copy_layers_cpu
+
+
+class CpuEngine(TransferEngine):
+    backend = Backend.CPU
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._queues = {d: queue.SimpleQueue() for d in Direction}
+        self._threads = {
+            d: threading.Thread(target=self._run, args=(d,), name=f"dsa-async-{d.value}",
+                                daemon=True)
+            for d in Direction
+        }
+        for thread in self._threads.values():
+            thread.start()
+
+    def submit(self, batch: CopyBatch) -> BatchHandle:
+        handle = BatchHandle(batch, self.num_layers)
+        self._queues[batch.direction].put(handle)
+        return handle
+
+    def wait_layer(self, handle: BatchHandle, layer: int) -> None:
+        handle.wait_ready(layer)
+
+    def close(self) -> None:
+        for q in self._queues.values():
+            q.put(None)
+        for thread in self._threads.values():
+            thread.join()
+
+    def _run(self, direction: Direction) -> None:
+        q = self._queues[direction]
+        staging = Staging()
+        while (handle := q.get()) is not None:
+            due = []
+            started = time.perf_counter()
+            try:
+                self._wait_dependencies(handle.batch)
+                started = time.perf_counter()
+                due = self._copy(handle, direction, staging)
+                error = None
+            except BaseException as exc:  # noqa: BLE001 - reported to every waiter
+                error = exc
+            due += handle.finish(error, time.perf_counter() - started)
+            self._report(handle, due)
+
+    @staticmethod
+    def _wait_dependencies(batch: CopyBatch) -> None:
+        for dep in batch.deps:
+            dep.handle.done.wait()  # hazard: an earlier copy touches the same pages
+            if dep.needs_data and dep.handle.error is not None:
+                raise TransferFailedError(
+                    f"batch {dep.handle.batch.batch_id}, which produced the host pages this "
+                    f"batch reads, failed: {dep.handle.error!r}"
+                ) from dep.handle.error
+        if batch.after is not None:
+            batch.after.wait()  # the caller's producer must finish writing first
+
+    def _copy(self, handle: BatchHandle, direction: Direction, staging: Staging) -> list:
+        batch = handle.batch
+        plan = PagePlan.build(batch.host_pages, batch.device_pages)
+        due = []
+        if plan.num_pages == 0:
+            return due
+        bindings = list(self.bindings.values())
+        if direction is Direction.D2H:
+            if self.fault_hook is not None:
+                self.fault_hook(batch, 0)
+            for binding in bindings:
+                copy_layers_cpu(binding, plan, direction, 0, binding.geometry.num_layers, staging)
+            return due
+        group = min(plan.layer_group(b) for b in bindings)
+        for first in range(0, self.num_layers, group):
+            last = min(first + group, self.num_layers)
+            if self.fault_hook is not None:
+                self.fault_hook(batch, first)
+            for binding in bindings:
+                layers = binding.geometry.num_layers
+                if first < layers:
+                    copy_layers_cpu(binding, plan, direction, first, min(last, layers), staging)
+            for callback in handle.mark_ready(last):
+                self.handoff.post(callback)  # per-layer readiness reaches the loop now
+        return due

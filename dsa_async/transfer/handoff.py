@@ -1,0 +1,49 @@
+"""One thread-safe hand-off from copy threads to the event loop.
+
+Worker and completion threads ``post`` callbacks; the loop runs them in batches. At most one
+``call_soon_threadsafe`` wake-up is pending at a time, however many completions arrive, so a
+burst of per-layer completions costs the loop one wake-up, not one per layer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+from collections.abc import Callable
+
+
+class LoopHandoff:
+    """Runs posted callbacks on ``loop``, in post order, in batches. ``post`` never blocks."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._items: collections.deque[tuple[Callable[..., None], tuple]] = collections.deque()
+        self._lock = threading.Lock()
+        self._scheduled = False
+        self.closed = False
+
+    def post(self, fn: Callable[..., None], *args: object) -> None:
+        """Queue ``fn(*args)`` to run on the loop thread. Safe from any thread."""
+        self._items.append((fn, args))
+        with self._lock:
+            if self._scheduled or self.closed:
+                return
+            self._scheduled = True
+        try:
+            self.loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:  # the loop is closed: nobody is left to tell
+            with self._lock:
+                self._scheduled = False
+
+    def _drain(self) -> None:
+        with self._lock:
+            self._scheduled = False
+        items = self._items
+        while items:
+            fn, args = items.popleft()
+            fn(*args)
+
+    def drain_now(self) -> None:
+        """Run whatever is queued, on the calling (loop) thread."""
+        self._drain()
