@@ -236,3 +236,65 @@ class PrometheusHarness:
         if not result:
             raise AssertionError(f"{expr!r} still empty after {timeout_s}s:\n{self.log_tail()}")
         return result
+
+
+# --- the repository's dashboards ------------------------------------------------------------------
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DASHBOARDS_DIR = REPO_ROOT / "dashboards"
+
+
+@dataclass(frozen=True)
+class PanelQuery:
+    """One PromQL query of one dashboard panel."""
+
+    dashboard: str
+    panel_id: int
+    panel_title: str
+    ref_id: str
+    expr: str
+
+    def __str__(self) -> str:
+        return f"{self.dashboard}#{self.panel_id} {self.panel_title!r} {self.ref_id}"
+
+
+def dashboard_files() -> list[Path]:
+    """Every dashboard JSON file in the repository."""
+    return sorted(DASHBOARDS_DIR.glob("*.json"))
+
+
+def iter_panels(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every panel of a dashboard, including panels nested in collapsed rows."""
+    panels: list[dict[str, Any]] = []
+    for panel in dashboard.get("panels", []):
+        panels.append(panel)
+        panels.extend(panel.get("panels", []))
+    return panels
+
+
+def panel_queries(path: Path) -> list[PanelQuery]:
+    """Every PromQL query of every panel of the dashboard at ``path``."""
+    dashboard = json.loads(path.read_text())
+    return [
+        PanelQuery(path.name, panel["id"], panel.get("title", ""), target.get("refId", "?"), target["expr"])
+        for panel in iter_panels(dashboard)
+        for target in panel.get("targets", [])
+        if "expr" in target
+    ]
+
+
+def substitute_grafana_variables(
+    expr: str, *, job: str, instance: str, rate_interval: str, range_: str
+) -> str:
+    """Replace the Grafana variables a panel query may use with concrete values."""
+    replacements = {
+        "$__rate_interval": rate_interval,
+        "$__interval": rate_interval,
+        "$__range": range_,
+        "$job": job,
+        "$instance": instance,
+    }
+    # Longest names first, so a name that is a prefix of another never replaces part of it.
+    for name in sorted(replacements, key=len, reverse=True):
+        expr = expr.replace(name, replacements[name])
+    return expr
