@@ -1,0 +1,352 @@
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dsa_async.errors import ConfigError, HostBudgetExceeded, LedgerError
+from dsa_async.geometry import dsa_indexer
+from dsa_async.ledger import (
+    LEDGER_ENV,
+    LEDGER_SCHEMA,
+    HostLedger,
+    default_ledger_directory,
+    read_process_start_ticks,
+)
+from dsa_async.plan import reserve_host_pools
+from fake_roots import GIB, make_root, write_meminfo, write_proc_stat
+
+REPO = Path(__file__).resolve().parents[1]
+INDEXER = dsa_indexer()
+BUDGET_BYTES = 10 * GIB  # MemAvailable of the fake root; tests reserve 0 extra
+
+# A co-located rank: reserve, report, then hold the reservation until stdin closes.
+RANK_SCRIPT = """
+import sys
+from dsa_async.errors import HostBudgetExceeded
+from dsa_async.geometry import dsa_indexer
+from dsa_async.ledger import HostLedger
+from dsa_async.plan import reserve_host_pools
+
+requested, root, directory, wait_for_go = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4] == "1"
+if wait_for_go:
+    sys.stdin.readline()
+try:
+    plan, reservation = reserve_host_pools(
+        [dsa_indexer()], requested_bytes=requested, root=root, ledger=HostLedger(directory),
+        reserve_bytes=0,
+    )
+    print("OK", reservation.entry_id, flush=True)
+except HostBudgetExceeded:
+    print("REFUSED", flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.fixture
+def root(tmp_path):
+    return make_root(tmp_path, mem_total_bytes=16 * GIB, mem_available_bytes=BUDGET_BYTES)
+
+
+@pytest.fixture
+def ledger_dir(tmp_path):
+    return tmp_path / "ledger"
+
+
+def start_rank(requested_bytes, root, ledger_dir, *, wait_for_go=False):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            RANK_SCRIPT,
+            str(requested_bytes),
+            str(root),
+            str(ledger_dir),
+            "1" if wait_for_go else "0",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def stop(proc):
+    proc.stdin.close()
+    proc.wait(timeout=30)
+    proc.stdout.close()
+
+
+def reserve(root, ledger, requested_bytes):
+    return reserve_host_pools(
+        [INDEXER], requested_bytes=requested_bytes, root=root, ledger=ledger, reserve_bytes=0
+    )
+
+
+def write_ledger(directory: Path, entries, *, mode=0o600):
+    directory.mkdir(mode=0o700, exist_ok=True)
+    path = directory / "ledger.json"
+    path.write_text(json.dumps({"schema": LEDGER_SCHEMA, "entries": entries}))
+    path.chmod(mode)
+    return path
+
+
+def entry(entry_id, pid, start_time_ticks, reserved_bytes=GIB, allocated_bytes=0):
+    return {
+        "id": entry_id,
+        "pid": pid,
+        "start_time_ticks": start_time_ticks,
+        "label": "indexer",
+        "reserved_bytes": reserved_bytes,
+        "allocated_bytes": allocated_bytes,
+    }
+
+
+# --- co-located processes --------------------------------------------------------------------
+
+
+def test_second_process_asking_60_percent_is_refused_while_the_first_holds_60(root, ledger_dir):
+    sixty_percent = BUDGET_BYTES * 6 // 10
+    first = start_rank(sixty_percent, root, ledger_dir)
+    try:
+        assert first.stdout.readline().split()[0] == "OK"
+        with pytest.raises(HostBudgetExceeded) as refused:
+            reserve(root, HostLedger(ledger_dir), sixty_percent)
+        message = str(refused.value)
+        assert f"pid {first.pid} 'indexer'" in message
+        assert "other reservations" in message and str(ledger_dir / "ledger.json") in message
+        first.kill()  # SIGKILL: no chance to release
+        first.wait(timeout=30)
+        ledger = HostLedger(ledger_dir)
+        plan, reservation = reserve(root, ledger, sixty_percent)  # the dead entry is reclaimed
+        assert [e.pid for e in ledger.entries()] == [os.getpid()]
+        reservation.release()
+    finally:
+        first.kill()
+        stop(first)
+
+
+def test_two_processes_racing_for_60_percent_cannot_both_pass(root, ledger_dir):
+    sixty_percent = BUDGET_BYTES * 6 // 10
+    ranks = [start_rank(sixty_percent, root, ledger_dir, wait_for_go=True) for _ in range(2)]
+    try:
+        for rank in ranks:
+            rank.stdin.write("go\n")
+            rank.stdin.flush()
+        verdicts = sorted(rank.stdout.readline().split()[0] for rank in ranks)
+        assert verdicts == ["OK", "REFUSED"]
+        held = HostLedger(ledger_dir).entries()
+        assert len(held) == 1 and held[0].pid in {r.pid for r in ranks}
+    finally:
+        for rank in ranks:
+            stop(rank)
+    assert HostLedger(ledger_dir).entries() == ()  # both exited: nothing left behind
+
+
+# --- liveness --------------------------------------------------------------------------------
+
+
+def test_reused_pid_with_another_start_time_is_treated_as_gone(tmp_path, ledger_dir):
+    proc_root = tmp_path / "procroot"
+    write_proc_stat(proc_root, 4242, 2000, comm="evil) (name")  # same pid, later start: reused
+    write_proc_stat(proc_root, 4343, 3000, comm="python 3")  # same pid and start: alive
+    write_proc_stat(proc_root, 4545, 5000, state="Z")  # zombie: holds no memory
+    write_ledger(
+        ledger_dir,
+        [
+            entry("reused", 4242, 1000),
+            entry("alive", 4343, 3000),
+            entry("gone", 4444, 4000),
+            entry("zombie", 4545, 5000),
+        ],
+    )
+    ledger = HostLedger(ledger_dir, proc_root=proc_root)
+    assert [e.entry_id for e in ledger.peek()] == ["alive"]
+    assert (
+        len(json.loads((ledger_dir / "ledger.json").read_text())["entries"]) == 4
+    )  # peek wrote nothing
+    assert [e.entry_id for e in ledger.entries()] == ["alive"]
+    assert [e["id"] for e in json.loads((ledger_dir / "ledger.json").read_text())["entries"]] == [
+        "alive"
+    ]
+    assert ledger.pending_bytes() == GIB
+
+
+def test_start_time_is_field_22_even_when_comm_has_spaces_and_parens(tmp_path):
+    write_proc_stat(tmp_path, 77, 123456, comm="a) b (c")
+    assert read_process_start_ticks(77, tmp_path) == 123456
+    assert read_process_start_ticks(78, tmp_path) is None
+    assert read_process_start_ticks(os.getpid()) is not None
+
+
+# --- counting --------------------------------------------------------------------------------
+
+
+def test_allocated_bytes_are_not_counted_twice(tmp_path, ledger_dir):
+    root = make_root(tmp_path, mem_total_bytes=16 * GIB, mem_available_bytes=BUDGET_BYTES)
+    ledger = HostLedger(ledger_dir)
+    plan, held = reserve(root, ledger, 4 * GIB)
+    assert ledger.pending_bytes() == plan.requested_bytes
+    held.mark_allocated(plan.requested_bytes)
+    assert ledger.pending_bytes() == 0
+    assert ledger.pending_bytes(exclude_entry=held.entry_id) == 0
+    # The allocation now shows up in MemAvailable (rounded to whole kB as meminfo reports it).
+    after_kib = (BUDGET_BYTES - plan.requested_bytes) // 1024
+    write_meminfo(root, mem_total_bytes=16 * GIB, mem_available_bytes=after_kib * 1024)
+    auto, second = reserve_host_pools([INDEXER], root=root, ledger=ledger, reserve_bytes=0)
+    assert auto.available_bytes == after_kib * 1024  # not minus the allocation a second time
+    assert auto.num_pages == after_kib * 1024 // INDEXER.bytes_per_page
+    second.release()
+    held.release()
+
+
+def test_partly_allocated_reservation_counts_only_its_remainder(ledger_dir):
+    ledger = HostLedger(ledger_dir)
+    with ledger.reserve(3 * GIB, label="kv") as held:
+        held.mark_allocated(GIB)
+        assert held.allocated_bytes == GIB
+        assert ledger.pending_bytes() == 2 * GIB
+        assert ledger.pending_bytes(exclude_entry=held.entry_id) == 0
+        with pytest.raises(ConfigError, match="exceed"):
+            held.mark_allocated(4 * GIB)
+    assert held.released and ledger.pending_bytes() == 0
+
+
+def test_release_is_idempotent(ledger_dir):
+    ledger = HostLedger(ledger_dir)
+    keep = ledger.reserve(GIB, label="keep")
+    held = ledger.reserve(GIB, label="indexer")
+    held.release()
+    held.release()
+    with held:
+        pass
+    assert [e.entry_id for e in ledger.entries()] == [keep.entry_id]
+    with pytest.raises(LedgerError, match="released"):
+        held.mark_allocated(0)
+    keep.release()
+
+
+# --- file safety -----------------------------------------------------------------------------
+
+
+def test_directory_is_0700_and_files_are_0600(tmp_path):
+    directory = tmp_path / "nested" / "ledger"
+    old_umask = os.umask(0o022)
+    try:
+        held = HostLedger(directory).reserve(GIB, label="indexer")
+    finally:
+        os.umask(old_umask)
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    assert stat.S_IMODE((directory / "ledger.json").stat().st_mode) == 0o600
+    assert stat.S_IMODE((directory / "ledger.lock").stat().st_mode) == 0o600
+    held.release()
+
+
+def test_default_directory_is_private_per_user(monkeypatch, tmp_path):
+    monkeypatch.delenv(LEDGER_ENV, raising=False)
+    assert default_ledger_directory().name == f"dsa_async-{os.geteuid()}"
+    monkeypatch.setenv(LEDGER_ENV, str(tmp_path / "x"))
+    assert default_ledger_directory() == tmp_path / "x"
+    assert HostLedger().directory == tmp_path / "x"
+
+
+def test_group_or_world_accessible_directory_is_refused(ledger_dir):
+    ledger_dir.mkdir()
+    ledger_dir.chmod(0o755)
+    with pytest.raises(LedgerError, match=r"group/world-accessible \(mode 0755\).*chmod 700"):
+        HostLedger(ledger_dir).pending_bytes()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a directory to another uid")
+def test_directory_owned_by_another_user_is_refused(ledger_dir):
+    ledger_dir.mkdir(mode=0o700)
+    os.chown(ledger_dir, 65534, 65534)
+    with pytest.raises(LedgerError, match="owned by uid 65534"):
+        HostLedger(ledger_dir).reserve(GIB, label="indexer")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a file to another uid")
+def test_file_owned_by_another_user_is_refused(ledger_dir):
+    path = write_ledger(ledger_dir, [])
+    os.chown(path, 65534, 65534)
+    with pytest.raises(LedgerError, match=f"{path}.*owned by uid 65534"):
+        HostLedger(ledger_dir).entries()
+
+
+def test_ledger_file_with_an_open_mode_is_refused(ledger_dir):
+    path = write_ledger(ledger_dir, [], mode=0o644)
+    with pytest.raises(LedgerError, match=f"{path}.*mode 0644.*rm {path}"):
+        HostLedger(ledger_dir).entries()
+
+
+def test_symlinked_ledger_file_is_refused(tmp_path, ledger_dir):
+    ledger_dir.mkdir(mode=0o700)
+    target = tmp_path / "elsewhere.json"
+    target.write_text("{}")
+    (ledger_dir / "ledger.json").symlink_to(target)
+    with pytest.raises(LedgerError, match="cannot be opened"):
+        HostLedger(ledger_dir).entries()
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "{not json",
+        "\xff\xfe",
+        "[1, 2]",
+        json.dumps({"schema": "other/9", "entries": []}),
+        json.dumps({"schema": LEDGER_SCHEMA, "entries": {}}),
+        json.dumps({"schema": LEDGER_SCHEMA, "entries": [{"id": "x"}]}),
+        json.dumps({"schema": LEDGER_SCHEMA, "entries": [entry("x", 1, 1) | {"pid": "1"}]}),
+        json.dumps({"schema": LEDGER_SCHEMA, "entries": [entry("x", 1, 1) | {"reserved_bytes": -1}]}),
+        json.dumps({"schema": LEDGER_SCHEMA, "entries": [entry("x", 1, 1) | {"allocated_bytes": True}]}),
+        json.dumps(
+            {"schema": LEDGER_SCHEMA, "entries": [entry("x", 1, 1, reserved_bytes=1, allocated_bytes=2)]}
+        ),
+        "[" * 100_000,
+    ],
+    ids=[
+        "not-json",
+        "not-utf8",
+        "not-an-object",
+        "foreign-schema",
+        "entries-not-a-list",
+        "missing-fields",
+        "pid-as-string",
+        "negative-bytes",
+        "bool-as-int",
+        "allocated-over-reserved",
+        "deeply-nested",
+    ],
+)
+def test_corrupt_or_foreign_ledger_is_a_clear_error(ledger_dir, content):
+    path = write_ledger(ledger_dir, [])
+    path.write_text(content, encoding="latin-1")
+    for access in (HostLedger(ledger_dir).entries, HostLedger(ledger_dir).peek):
+        with pytest.raises(LedgerError, match=f"{path} is not a valid dsa_async ledger.*rm {path}"):
+            access()
+
+
+def test_empty_ledger_file_is_an_empty_ledger(ledger_dir):
+    write_ledger(ledger_dir, []).write_text("")
+    assert HostLedger(ledger_dir).entries() == ()
+
+
+def test_peek_creates_nothing(tmp_path):
+    directory = tmp_path / "absent"
+    assert HostLedger(directory).peek() == ()
+    assert not directory.exists()
+
+
+def test_nested_transaction_on_one_thread_is_refused(ledger_dir):
+    ledger = HostLedger(ledger_dir)
+    with ledger.transaction() as txn:
+        held = txn.add(GIB, label="indexer")
+        with pytest.raises(LedgerError, match="already open"):
+            ledger.pending_bytes()
+    held.release()
+    assert ledger.entries() == ()

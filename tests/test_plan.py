@@ -1,0 +1,267 @@
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dsa_async.budget import BudgetLimiter, BudgetSnapshot, probe_host_budget
+from dsa_async.errors import ConfigError, HostBudgetExceeded
+from dsa_async.geometry import KvDtype, dsa_indexer, mla_kv, model_pools
+from dsa_async.ledger import HostLedger
+from dsa_async.plan import budget_exceeded_message, format_bytes, plan_pools, reserve_host_pools
+from fake_roots import GIB, MIB, Level, make_root, write_cgroup_v2, write_meminfo
+
+INDEXER = dsa_indexer()
+GB = 10**9
+
+
+@pytest.fixture
+def root(tmp_path):
+    return make_root(tmp_path, mem_total_bytes=64 * GIB, mem_available_bytes=48 * GIB)
+
+
+@pytest.fixture
+def budget(root):
+    return probe_host_budget(root, reserve_bytes=0, read_memlock=lambda: 8 * MIB)
+
+
+STATIC_BUDGET = BudgetSnapshot(
+    root="/fake",
+    mem_total_bytes=2**46,
+    mem_available_bytes=2**46,
+    levels=(),
+    hugepages=False,
+    hugepages_free_bytes=None,
+    memlock_limit_bytes=None,
+    reserve_bytes=0,
+    limit_bytes=2**46,
+    available_before_reserve_bytes=2**46,
+    available_bytes=2**46,
+    limiter=BudgetLimiter.MEM_AVAILABLE,
+    limiter_cgroup_path=None,
+    limiter_level=None,
+)
+
+
+def with_available(budget, available_bytes):
+    return dataclasses.replace(budget, available_bytes=available_bytes)
+
+
+# --- arithmetic ------------------------------------------------------------------------------
+
+
+def test_indexer_plan_matches_the_deepseek_v32_figures(budget):
+    plan = plan_pools([INDEXER], budget_snapshot=budget, requested_bytes=GB)
+    (pool,) = plan.pools
+    assert (pool.bytes_per_token_per_layer, pool.bytes_per_page_per_layer, pool.bytes_per_page) == (
+        132,
+        8448,
+        515_328,
+    )
+    assert plan.num_pages == pool.num_pages == GB // 515_328 == 1940
+    assert plan.requested_bytes == pool.requested_bytes == 1940 * 515_328
+    assert plan.asked_bytes == GB and not plan.auto
+    assert plan.fits and plan.available_bytes == 48 * GIB
+
+
+def test_kv_pool_shares_the_indexer_page_count(budget):
+    pools = model_pools("deepseek-v3.2", kv_dtype=KvDtype.FP8)
+    plan = plan_pools(pools, budget_snapshot=budget, requested_bytes=100 * GB)
+    assert plan.bytes_per_shared_page == 515_328 + 64 * 656 * 61 == 3_076_352
+    assert [p.num_pages for p in plan.pools] == [32_506, 32_506]
+    assert plan.requested_bytes == sum(p.requested_bytes for p in plan.pools) == 32_506 * 3_076_352
+
+
+def test_draft_layer_adds_a_layer_to_every_pool(budget):
+    plan = plan_pools(
+        model_pools("deepseek-v3.2", kv_dtype=KvDtype.BF16, with_draft=True), budget_snapshot=budget
+    )
+    assert [p.geometry.num_layers for p in plan.pools] == [62, 62]
+    assert plan.bytes_per_shared_page == 8448 * 62 + 64 * 1152 * 62
+
+
+def test_explicit_page_count(budget):
+    plan = plan_pools([INDEXER], budget_snapshot=budget, num_pages=10)
+    assert plan.requested_bytes == 10 * 515_328 and plan.asked_bytes is None and not plan.auto
+
+
+def test_auto_takes_the_largest_page_count_that_fits(budget):
+    plan = plan_pools([INDEXER], budget_snapshot=budget, pending_bytes=GIB)
+    assert plan.auto and plan.fits
+    assert plan.num_pages == plan.max_pages_that_fit == 47 * GIB // 515_328
+    assert (plan.num_pages + 1) * 515_328 > plan.available_bytes
+
+
+def test_auto_is_capped_by_max_pages(budget):
+    plan = plan_pools([INDEXER], budget_snapshot=budget, max_pages=100)
+    assert plan.num_pages == 100 and plan.fits and plan.max_pages_that_fit > 100
+
+
+def test_auto_refuses_when_not_one_page_fits(budget):
+    plan = plan_pools([INDEXER], budget_snapshot=with_available(budget, 1000))
+    assert plan.num_pages == 1 and not plan.fits and plan.max_pages_that_fit == 0
+    message = budget_exceeded_message(plan)
+    assert "not even one page (515.33 kB (515,328 B)) fits" in message
+    assert "use auto" not in message
+
+
+def test_pending_reservations_and_ranks_shrink_what_fits(budget):
+    plan = plan_pools(
+        [INDEXER],
+        budget_snapshot=budget,
+        requested_bytes=11 * GB,
+        pending_bytes=8 * GIB,
+        ranks_per_host=4,
+    )
+    assert plan.available_bytes == 40 * GIB
+    assert plan.total_requested_bytes == 4 * plan.requested_bytes
+    assert not plan.fits
+    assert plan.max_pages_that_fit == 40 * GIB // (4 * 515_328)
+
+
+def test_size_below_one_page_names_the_smallest_size(budget):
+    with pytest.raises(
+        ConfigError,
+        match=r"no whole page.*smallest size that holds one page of indexer\+kv is 3.08 MB \(3,076,352",
+    ):
+        plan_pools(
+            model_pools("deepseek-v3.2", kv_dtype=KvDtype.FP8),
+            budget_snapshot=budget,
+            requested_bytes=3_000_000,
+        )
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(requested_bytes=GB, num_pages=1), "not both"),
+        (dict(requested_bytes=0), "requested_bytes"),
+        (dict(num_pages=-1), "num_pages"),
+        (dict(max_pages=0), "max_pages"),
+        (dict(ranks_per_host=0), "ranks_per_host"),
+        (dict(pending_bytes=-1), "pending_bytes"),
+    ],
+)
+def test_bad_sizing_arguments_are_config_errors(budget, kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        plan_pools([INDEXER], budget_snapshot=budget, **kwargs)
+
+
+def test_pools_must_share_a_page_size_and_have_distinct_names(budget):
+    with pytest.raises(ConfigError, match="page_size_tokens"):
+        plan_pools([INDEXER, mla_kv(page_size_tokens=32)], budget_snapshot=budget)
+    with pytest.raises(ConfigError, match="distinct"):
+        plan_pools([INDEXER, dsa_indexer()], budget_snapshot=budget)
+    with pytest.raises(ConfigError, match="non-empty"):
+        plan_pools([], budget_snapshot=budget)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    available_bytes=st.integers(0, 2**44),
+    asked_bytes=st.integers(3_076_352, 2**45),
+    ranks=st.integers(1, 8),
+)
+def test_rounding_and_fitting_are_consistent(available_bytes, asked_bytes, ranks):
+    snapshot = with_available(STATIC_BUDGET, available_bytes)
+    pools = model_pools("deepseek-v3.2", kv_dtype=KvDtype.FP8)
+    plan = plan_pools(pools, budget_snapshot=snapshot, requested_bytes=asked_bytes, ranks_per_host=ranks)
+    assert plan.requested_bytes <= asked_bytes < plan.requested_bytes + plan.bytes_per_shared_page
+    assert plan.fits == (plan.num_pages <= plan.max_pages_that_fit)
+    auto = plan_pools(pools, budget_snapshot=snapshot, ranks_per_host=ranks)
+    assert auto.fits == (auto.max_pages_that_fit > 0)
+    assert (auto.max_pages_that_fit + 1) * auto.bytes_per_shared_page * ranks > available_bytes
+
+
+# --- the refusal -----------------------------------------------------------------------------
+
+
+def test_refusal_names_requested_available_total_arithmetic_largest_fit_and_setting(budget):
+    plan = plan_pools([INDEXER], budget_snapshot=budget, requested_bytes=100 * GB, pending_bytes=2 * GIB)
+    message = budget_exceeded_message(plan)
+    assert "Not enough host memory" not in message
+    assert (
+        f"requested: {format_bytes(plan.requested_bytes)} = {plan.num_pages:,} pages x 515,328 B"
+        in message
+    )
+    assert "asked 100.00 GB (100,000,000,000 B), rounded down to whole pages" in message
+    assert INDEXER.arithmetic(plan.num_pages) in message
+    assert f"available: {format_bytes(46 * GIB)}" in message
+    assert f"total: {format_bytes(64 * GIB)} (MemTotal)" in message
+    assert f"limited by: MemAvailable {format_bytes(48 * GIB)}" in message
+    assert (
+        f"largest that fits: {plan.max_pages_that_fit:,} pages = {format_bytes(plan.max_bytes_that_fit)}"
+        in message
+    )
+    assert "lower --host-pool-gb / ServiceConfig.host_pool to <= 49.39 GB (49,391,612,160 B)" in message
+    assert "use auto" in message
+    assert "RLIMIT_MEMLOCK is 8.39 MB (8,388,608 B) (information only" in message
+    assert "other reservations: 2.15 GB (2,147,483,648 B) not yet allocated" in message
+
+
+def test_refusal_names_the_limiting_cgroup_with_its_limit_and_working_set(root):
+    write_cgroup_v2(
+        root, "/pod/ctr", {"/pod": Level(4 * GIB, 3 * GIB, GIB), "/pod/ctr": Level(None, GIB)}
+    )
+    budget = probe_host_budget(root, reserve_bytes=0)
+    plan = plan_pools([INDEXER], budget_snapshot=budget, requested_bytes=5 * GB)
+    message = budget_exceeded_message(plan)
+    assert (
+        "limited by: cgroup /pod (v2): memory.max 4.29 GB (4,294,967,296 B), working set 2.15 GB"
+        in message
+    )
+    assert f"total: {format_bytes(4 * GIB)} (memory limit of cgroup /pod)" in message
+    assert "raise the container's memory limit (memory.max of cgroup /pod)" in message
+
+
+def test_refusal_names_free_hugepages(tmp_path):
+    root = tmp_path / "r"
+    write_meminfo(
+        root, mem_total_bytes=64 * GIB, mem_available_bytes=48 * GIB, hugepages_total=4, hugepages_free=4
+    )
+    budget = probe_host_budget(root, reserve_bytes=0, hugepages=True)
+    message = budget_exceeded_message(plan_pools([INDEXER], budget_snapshot=budget, requested_bytes=GB))
+    assert "limited by: free hugepages 8.39 MB (8,388,608 B)" in message
+    assert "vm.nr_hugepages" in message
+
+
+def test_refusal_for_many_ranks_says_so(budget):
+    plan = plan_pools([INDEXER], budget_snapshot=budget, requested_bytes=10 * GB, ranks_per_host=8)
+    message = budget_exceeded_message(plan)
+    assert f"x 8 ranks per host = {format_bytes(plan.total_requested_bytes)}" in message
+    assert "per rank" in message and "fewer ranks per host" in message
+
+
+# --- check-and-reserve -----------------------------------------------------------------------
+
+
+def test_reserve_records_the_plan_in_the_ledger(root, tmp_path):
+    ledger = HostLedger(tmp_path / "ledger")
+    pools = model_pools("deepseek-v3.2", kv_dtype=KvDtype.FP8)
+    plan, reservation = reserve_host_pools(pools, requested_bytes=10 * GB, root=root, ledger=ledger)
+    with reservation:
+        (entry,) = ledger.entries()
+        assert entry.reserved_bytes == reservation.reserved_bytes == plan.requested_bytes
+        assert entry.label == "indexer+kv"
+        assert plan.budget.reserve_bytes == GIB
+    assert ledger.entries() == ()
+
+
+def test_refused_reservation_leaves_the_ledger_untouched(root, tmp_path):
+    ledger = HostLedger(tmp_path / "ledger")
+    with ledger.reserve(GIB, label="other") as other:
+        with pytest.raises(
+            HostBudgetExceeded, match=r"(?s)other reservations in .*ledger.json.*'other'"
+        ):
+            reserve_host_pools([INDEXER], requested_bytes=60 * GB, root=root, ledger=ledger)
+        assert [e.entry_id for e in ledger.entries()] == [other.entry_id]
+
+
+def test_reserve_auto_fits_what_is_left(root, tmp_path):
+    ledger = HostLedger(tmp_path / "ledger")
+    with ledger.reserve(8 * GIB, label="other"):
+        plan, reservation = reserve_host_pools(
+            [INDEXER], root=root, ledger=ledger, reserve_bytes=0, max_pages=10**9
+        )
+        with reservation:
+            assert plan.auto and plan.num_pages == 40 * GIB // 515_328
