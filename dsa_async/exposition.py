@@ -70,8 +70,9 @@ class MetricsServer:
     def close(self) -> None:
         """Stop serving, close the socket and join the serving thread. Idempotent.
 
-        Blocks until an in-progress scrape finishes (bounded by a 10 s join). Do not call it from
-        the event-loop thread while the loop must stay responsive; use
+        Blocks for up to about half a second (the serving loop's poll interval); a scrape still
+        being answered finishes on its own daemon thread. Do not call it from the event-loop
+        thread while the loop must stay responsive; use
         ``await loop.run_in_executor(None, server.close)`` there.
         """
         if self._thread.is_alive():

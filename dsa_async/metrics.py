@@ -3,7 +3,7 @@
 All metrics live on a ``CollectorRegistry`` the caller injects (never the process-global default),
 so an embedding server can serve them next to its own and every test can start from a fresh one.
 
-Conventions (see the design brief, metrics section):
+Conventions (DESIGN.md, section 6):
 
 * prefix ``dsa_async_``, base units (bytes, seconds), ``_total`` on counters;
 * label values come only from the enums in :mod:`dsa_async.kinds`; never page, layer or request
@@ -158,12 +158,14 @@ class ServiceMetrics:
     ) -> None:
         """Register every family on ``registry`` and bind all label children.
 
-        ``version`` and ``backend`` go into ``dsa_async_build_info``; ``backend`` should be the
-        resolved backend (CPU or CUDA), not ``AUTO``. ``budget_reader`` is called on every scrape,
+        ``version`` and ``backend`` go into ``dsa_async_build_info``; ``backend`` is the resolved
+        backend (CPU or CUDA); ``AUTO`` is refused because it says nothing about what runs. ``budget_reader`` is called on every scrape,
         from the scrape thread; it must be thread-safe and cheap.
         """
-        if not isinstance(backend, Backend):
-            raise ConfigError(f"backend must be a Backend member, got {backend!r}")
+        if not isinstance(backend, Backend) or backend is Backend.AUTO:
+            raise ConfigError(
+                f"backend must be the resolved Backend.CPU or Backend.CUDA, got {backend!r}"
+            )
         if not callable(budget_reader):
             raise ConfigError(f"budget_reader must be a zero-argument callable, got {budget_reader!r}")
         reg = registry

@@ -252,9 +252,10 @@ def test_strings_and_negative_amounts_are_refused(metrics, call):
         call(metrics)
 
 
-def test_backend_must_be_an_enum_member(registry, budget):
+@pytest.mark.parametrize("backend", ["cpu", Backend.AUTO])
+def test_backend_must_be_a_resolved_enum_member(registry, budget, backend):
     with pytest.raises(ConfigError, match="backend"):
-        ServiceMetrics(registry, version="1", backend="cpu", budget_reader=budget)  # type: ignore[arg-type]
+        ServiceMetrics(registry, version="1", backend=backend, budget_reader=budget)
 
 
 # --- event-loop lag -----------------------------------------------------------------------------
