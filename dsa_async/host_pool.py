@@ -172,6 +172,9 @@ class HostPool:
         self._bump(pages, -1)
         assert (self._in_flight[pages] >= 0).all(), "end_copy without begin_copy"
 
+    def any_in_flight(self, pages: np.ndarray) -> bool:
+        return bool((self._in_flight[pages] > 0).any())
+
     def _bump(self, pages: np.ndarray, delta: int) -> None:
         before = self._in_flight[pages]
         # Pages are distinct within one copy, so plain fancy-index assignment is exact.

@@ -52,6 +52,23 @@ class TransferEngine(abc.ABC):
         Never call it on the event-loop thread.
         """
 
+    def capture_producer(self) -> object | None:
+        """What a backup must wait for when the caller names no producer (loop thread).
+
+        CPU: nothing (the caller's writes finished before it called). CUDA: an event recorded
+        on the caller's current stream, so the backup follows the kernels that wrote the pages.
+        """
+        return None
+
+    def normalize_after(self, after: object) -> object:
+        """Check a caller-given producer; CPU accepts objects with a blocking ``wait()``."""
+        if not callable(getattr(after, "wait", None)):
+            raise TypeError(
+                f"after={after!r} is not a producer this backend can wait for; on the CPU "
+                f"backend pass an object with a wait() method (e.g. threading.Event) or a Transfer"
+            )
+        return after
+
     @abc.abstractmethod
     def close(self) -> None:
         """Drain submitted batches and stop. Blocks (run it off the loop)."""

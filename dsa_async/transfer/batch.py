@@ -33,15 +33,16 @@ class Dependency:
 class CopyBatch:
     """Page pairs to move in one direction (``host_pages``/``device_pages``: ``int64 [n]``).
 
-    ``after`` is the caller's producer (an event or stream on CUDA, a ``threading.Event`` on
-    CPU, or ``None``); ``deps`` are earlier batches this one must follow (hazards).
+    ``after`` holds the callers' producers to wait for (events or streams on CUDA, objects with
+    a blocking ``wait()`` such as ``threading.Event`` on CPU); ``deps`` are earlier batches this
+    one must follow (hazards).
     """
 
     direction: Direction
     host_pages: np.ndarray
     device_pages: np.ndarray
     deps: tuple[Dependency, ...] = ()
-    after: object = None
+    after: tuple[object, ...] = ()
     batch_id: int = field(default_factory=lambda: next(_batch_ids))
 
     @property

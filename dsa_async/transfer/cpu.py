@@ -72,8 +72,8 @@ class CpuEngine(TransferEngine):
                     f"batch {dep.handle.batch.batch_id}, which produced the host pages this "
                     f"batch reads, failed: {dep.handle.error!r}"
                 ) from dep.handle.error
-        if batch.after is not None:
-            batch.after.wait()  # the caller's producer must finish writing first
+        for producer in batch.after:
+            producer.wait()  # the caller's producer must finish writing the pages first
 
     def _copy(self, handle: BatchHandle, direction: Direction, staging: Staging) -> list:
         batch = handle.batch

@@ -1,0 +1,114 @@
+"""Service configuration: frozen, validated once at construction, never probes memory."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .errors import ConfigError
+from .geometry import PageGeometry, dsa_indexer
+from .kinds import Backend, parse_enum
+
+
+@dataclass(frozen=True)
+class PoolSize:
+    """Host pool size: ``pages``, ``bytes`` (rounded down to whole pages) or auto.
+
+    Auto is the largest pool that fits the budget, at most ``max_pages`` when given.
+    """
+
+    pages: int | None = None
+    bytes: int | None = None
+    max_pages: int | None = None
+
+    def __post_init__(self) -> None:
+        given = [v for v in (self.pages, self.bytes) if v is not None]
+        if len(given) > 1:
+            raise ConfigError("PoolSize takes pages or bytes, not both (neither means auto)")
+        for name in ("pages", "bytes", "max_pages"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ConfigError(f"PoolSize.{name} must be an int, got {value!r}")
+            if value is not None and value <= 0:
+                raise ConfigError(f"PoolSize.{name} must be > 0, got {value}; use auto to fit "
+                                  f"the pool into the budget")
+
+    @classmethod
+    def auto(cls, max_pages: int | None = None) -> PoolSize:
+        return cls(max_pages=max_pages)
+
+    @property
+    def is_auto(self) -> bool:
+        return self.pages is None and self.bytes is None
+
+
+def _check_int(name: str, value: object, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"ServiceConfig.{name} must be an int, got {value!r}")
+    if value < low:
+        raise ConfigError(f"ServiceConfig.{name} must be >= {low}, got {value}")
+
+
+def _check_seconds(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"ServiceConfig.{name} must be a number of seconds, got {value!r}")
+    if not (value > 0 and math.isfinite(value)):
+        raise ConfigError(f"ServiceConfig.{name} must be a positive finite number, got {value}")
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """What the service needs to know. Validates types and ranges; probes nothing.
+
+    ``geometries``: one per pool, names matching the device-buffer mapping (a single pool's
+    buffers pair with the first geometry). All share one page table and page size.
+    """
+
+    geometries: tuple[PageGeometry, ...] = field(default_factory=lambda: (dsa_indexer(),))
+    host_pool: PoolSize = field(default_factory=PoolSize.auto)
+    backend: Backend = Backend.AUTO
+    max_inflight_bytes_d2h: int = 1 << 30
+    max_inflight_bytes_h2d: int = 1 << 30
+    max_queued_requests: int = 4096
+    host_wait_timeout_s: float = 5.0
+    drain_timeout_s: float = 30.0
+    reserve_bytes: int | None = None
+    budget_root: str | None = None
+    ledger_directory: str | None = None
+
+    def __post_init__(self) -> None:
+        geometries = self.geometries
+        if isinstance(geometries, PageGeometry):
+            geometries = (geometries,)
+        if not isinstance(geometries, Sequence) or not geometries or not all(
+            isinstance(g, PageGeometry) for g in geometries
+        ):
+            raise ConfigError(f"ServiceConfig.geometries must be PageGeometry values, got "
+                              f"{self.geometries!r}")
+        object.__setattr__(self, "geometries", tuple(geometries))
+        names = [g.name for g in geometries]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"pool names must be distinct, got {names}")
+        if len({g.page_size_tokens for g in geometries}) != 1:
+            raise ConfigError("pools that share a page table must share page_size_tokens, got "
+                              f"{[(g.name, g.page_size_tokens) for g in geometries]}")
+        if not isinstance(self.host_pool, PoolSize):
+            raise ConfigError(f"ServiceConfig.host_pool must be a PoolSize (PoolSize(pages=...), "
+                              f"PoolSize(bytes=...) or PoolSize.auto()), got {self.host_pool!r}")
+        object.__setattr__(self, "backend", parse_enum(Backend, self.backend, "backend"))
+        _check_int("max_inflight_bytes_d2h", self.max_inflight_bytes_d2h, 1)
+        _check_int("max_inflight_bytes_h2d", self.max_inflight_bytes_h2d, 1)
+        _check_int("max_queued_requests", self.max_queued_requests, 1)
+        _check_seconds("host_wait_timeout_s", self.host_wait_timeout_s)
+        _check_seconds("drain_timeout_s", self.drain_timeout_s)
+        if self.reserve_bytes is not None:
+            _check_int("reserve_bytes", self.reserve_bytes, 0)
+
+    @property
+    def page_size_tokens(self) -> int:
+        return self.geometries[0].page_size_tokens
+
+    @property
+    def num_layers(self) -> int:
+        return max(g.num_layers for g in self.geometries)

@@ -1,0 +1,255 @@
+"""A request's life inside the service (``Request``) and the caller's view of it (``Transfer``).
+
+A ``Transfer`` is what ``evict``/``prefetch`` return: awaitable for the whole result, with
+per-layer readiness (``await t.layer_ready(i)`` on the loop, ``t.wait_layer(i)`` from a
+forward-pass thread), ``cancel()`` and done callbacks. Cancelling a task that awaits a
+``Transfer`` cancels neither the copy nor other waiters; ``t.cancel()`` cancels the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import math
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .errors import ServiceClosedError
+from .host_pool import HostPages
+from .kinds import Direction, Timeliness
+
+if TYPE_CHECKING:
+    from .scheduler import Scheduler
+    from .transfer.batch import BatchHandle
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+_seq = itertools.count()
+
+
+class RequestState(enum.Enum):
+    QUEUED = "queued"  #: accepted, not yet given to the engine
+    SUBMITTED = "submitted"  #: its copy is in the engine
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    """What a finished request moved. ``device_s``: the copy batch's device-timed duration."""
+
+    direction: Direction
+    pages: int
+    bytes: int
+    padded_tokens: int
+    device_s: float
+    host_pages: HostPages | None  #: evictions: where the pages were backed up
+
+
+class Request:
+    """Internal state of one accepted request. Loop-thread only, except the marked fields."""
+
+    __slots__ = (
+        "seq", "direction", "host_pages", "device_pages", "host_handle", "owns_host", "after",
+        "priority", "deadline", "submitted_at", "padding_tokens", "nbytes", "deps", "handle",
+        "batch_index", "state", "cancel_requested", "future", "submitted", "layer_seen",
+        "__weakref__",
+    )
+
+    def __init__(self, direction: Direction, device_pages: np.ndarray, *,
+                 host_pages: np.ndarray | None, host_handle: HostPages | None, owns_host: bool,
+                 after: object, priority: int, deadline: float, padding_tokens: int,
+                 nbytes: int, future: asyncio.Future) -> None:
+        self.seq = next(_seq)
+        self.direction = direction
+        self.device_pages = device_pages
+        self.host_pages = host_pages  # None until allocated (service-chosen host pages)
+        self.host_handle = host_handle
+        self.owns_host = owns_host
+        self.after = after
+        self.priority = priority
+        self.deadline = deadline
+        self.submitted_at = time.perf_counter()
+        self.padding_tokens = padding_tokens
+        self.nbytes = nbytes
+        self.deps: list[tuple[Request, bool]] = []
+        self.handle: BatchHandle | None = None  # set on the loop; read by threads after `submitted`
+        self.batch_index = 0  # position of this request's pages in its batch
+        self.state = RequestState.QUEUED
+        self.cancel_requested = False
+        self.future = future
+        self.submitted = threading.Event()  # set once `handle` exists (or the request ended)
+        self.layer_seen: bytearray | None = None  # timeliness per layer, created lazily
+
+    @property
+    def num_pages(self) -> int:
+        return int(self.device_pages.size)
+
+    def read_and_write_pages(self) -> tuple[np.ndarray, np.ndarray]:
+        host = self.host_pages if self.host_pages is not None else _EMPTY
+        if self.direction is Direction.D2H:
+            return self.device_pages, host
+        return host, self.device_pages
+
+    def sort_key(self) -> tuple:
+        if self.direction is Direction.H2D:  # earliest deadline, then highest priority
+            return (self.deadline, -self.priority, self.seq)
+        return (-self.priority, self.seq)
+
+
+def _count_unseen_as_wasted(request: Request, record: Callable[[Timeliness, int], None]) -> None:
+    if request.direction is not Direction.H2D or request.future.cancelled():
+        return
+    seen = request.layer_seen
+    total = request.handle.num_layers if request.handle is not None else 0
+    unseen = total if seen is None else seen.count(0)
+    if unseen:
+        record(Timeliness.WASTED, unseen)
+
+
+class Transfer:
+    """The caller's handle on one request (see module docstring)."""
+
+    __slots__ = ("_request", "_scheduler", "__weakref__")
+
+    def __init__(self, request: Request, scheduler: Scheduler) -> None:
+        self._request = request
+        self._scheduler = scheduler
+        if request.direction is Direction.H2D:
+            weakref.finalize(self, _count_unseen_as_wasted, request, scheduler.record_layers)
+
+    @property
+    def direction(self) -> Direction:
+        return self._request.direction
+
+    @property
+    def num_pages(self) -> int:
+        return self._request.num_pages
+
+    @property
+    def host_pages(self) -> HostPages | None:
+        """Where an eviction backs its pages up; ``None`` until host pages are allocated."""
+        return self._request.host_handle
+
+    def done(self) -> bool:
+        return self._request.future.done()
+
+    def cancelled(self) -> bool:
+        return self._request.future.cancelled()
+
+    def cancel(self) -> bool:
+        """Cancel the request. Before its copy starts it is removed and its reservations return
+        at once; after that the copy completes first (data is never torn), then they return.
+        Returns ``False`` if it already finished. Loop thread only; does not block."""
+        return self._scheduler.cancel(self._request)
+
+    def add_done_callback(self, fn: Callable[[Transfer], None]) -> None:
+        """Call ``fn(self)`` on the loop when the request ends (done, failed or cancelled)."""
+        self._request.future.add_done_callback(lambda _f: fn(self))
+
+    def result(self) -> TransferResult:
+        """The result of a finished request (raises as ``Future.result`` does)."""
+        return self._request.future.result()
+
+    def __await__(self):
+        return self._wait().__await__()
+
+    async def _wait(self) -> TransferResult:
+        request = self._request
+        future = request.future
+        if request.direction is Direction.H2D and not future.done():
+            waited_from = time.perf_counter()
+            try:
+                return await asyncio.shield(future)
+            finally:
+                self._classify_all(time.perf_counter() - waited_from)
+        if request.direction is Direction.H2D:
+            self._classify_all(0.0)
+        return await asyncio.shield(future)
+
+    # --- per-layer readiness ---------------------------------------------------------------
+
+    async def layer_ready(self, layer: int) -> None:
+        """Wait on the loop until ``layer`` of this prefetch is usable. Never blocks the loop."""
+        request = self._request
+        self._check_layer(layer)
+        handle = request.handle
+        if handle is not None and layer < handle.layers_ready:
+            self._classify(layer, 0.0)
+            return
+        if request.future.done() and request.handle is None:
+            request.future.result()  # raises: failed or cancelled before its copy started
+        waited_from = time.perf_counter()
+        await asyncio.shield(self._scheduler.layer_future(request, layer))
+        self._classify(layer, time.perf_counter() - waited_from)
+
+    def wait_layer(self, layer: int, timeout_s: float | None = None) -> None:
+        """From a forward-pass thread: wait until ``layer`` is usable by that thread's work.
+
+        CPU backend: blocks the calling thread until the layer is copied. CUDA backend: blocks
+        only until the layer's copy is enqueued, then makes the caller's current stream wait on
+        the layer's event (no CPU block on the copy). Never call it on the event-loop thread.
+        """
+        request = self._request
+        self._check_layer(layer)
+        waited_from = time.perf_counter()
+        if not request.submitted.wait(timeout_s):
+            raise TimeoutError(f"prefetch not started within {timeout_s} s")
+        handle = request.handle
+        if handle is None:
+            raise ServiceClosedError("the prefetch ended before its copy started "
+                                     "(cancelled, failed or the service closed)")
+        ready_before = layer < handle.layers_ready
+        self._scheduler.engine_wait_layer(handle, layer)
+        waited_s = 0.0 if ready_before else time.perf_counter() - waited_from
+        self._scheduler.call_in_loop(self._classify, layer, waited_s)
+
+    def _check_layer(self, layer: int) -> None:
+        if self._request.direction is not Direction.H2D:
+            raise TypeError("per-layer readiness belongs to prefetches; await the eviction")
+        layers = self._scheduler.num_layers
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < layers:
+            raise ValueError(f"layer {layer!r} is out of range: this service has {layers} "
+                             f"layers (0..{layers - 1})")
+
+    def _classify(self, layer: int, waited_s: float) -> None:
+        request = self._request
+        if request.layer_seen is None:
+            request.layer_seen = bytearray(self._scheduler.num_layers)
+        if request.layer_seen[layer]:
+            return
+        request.layer_seen[layer] = 1
+        if waited_s > 0.0:
+            self._scheduler.record_layers(Timeliness.LATE, 1, waited_s)
+        else:
+            self._scheduler.record_layers(Timeliness.ON_TIME, 1)
+
+    def _classify_all(self, waited_s: float) -> None:
+        request = self._request
+        future = request.future
+        if not future.done() or future.cancelled() or future.exception() is not None:
+            return
+        seen = request.layer_seen
+        if seen is None:
+            seen = request.layer_seen = bytearray(self._scheduler.num_layers)
+        unseen = seen.count(0)
+        if not unseen:
+            return
+        seen[:] = b"\x01" * len(seen)
+        if waited_s > 0.0:
+            self._scheduler.record_layers(Timeliness.LATE, unseen, waited_s)
+        else:
+            self._scheduler.record_layers(Timeliness.ON_TIME, unseen)
+
+    def __repr__(self) -> str:
+        r = self._request
+        return (f"Transfer({r.direction.value}, pages={r.num_pages}, state={r.state.value}, "
+                f"done={r.future.done()})")
+
+
+NO_DEADLINE = math.inf

@@ -1,0 +1,389 @@
+"""The asyncio core: admission, per-tick batching, backpressure, hazards, completion.
+
+Everything here runs on the event-loop thread and never blocks: requests are queued, one flush
+per loop tick packs the ready ones into as few engine batches as possible (prefetches first,
+by deadline then priority, so backups never starve loads), within the in-flight byte bound of
+each direction. Completions arrive through the engine's hand-off and resolve the futures.
+Every path that ends a request goes through :meth:`Scheduler.finish`, which returns what the
+request held: host pages it pinned, pages it allocated (unless it succeeded), hazards,
+in-flight bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from .config import ServiceConfig
+from .errors import HostPoolExhausted, ServiceClosedError, TransferFailedError
+from .hazards import HazardTable, register_fresh_host_writes
+from .host_pool import HostPool
+from .kinds import Direction, Outcome, Timeliness
+from .metrics import ServiceMetrics
+from .request import Request, RequestState, TransferResult
+from .transfer.base import TransferEngine
+from .transfer.batch import BatchHandle, CopyBatch, Dependency
+
+log = logging.getLogger(__name__)
+
+HostPressureCallback = Callable[[int], object]
+
+
+class Scheduler:
+    def __init__(self, config: ServiceConfig, pool: HostPool, engine: TransferEngine,
+                 metrics: ServiceMetrics, loop: asyncio.AbstractEventLoop,
+                 on_host_pressure: HostPressureCallback | None) -> None:
+        self.config = config
+        self.pool = pool
+        self.engine = engine
+        self.metrics = metrics
+        self.loop = loop
+        self.on_host_pressure = on_host_pressure
+        self.num_layers = config.num_layers
+        self.bytes_per_page = pool.bytes_per_page
+        self.bytes_per_token = sum(g.bytes_per_token for g in config.geometries)
+        self.max_inflight_bytes = {Direction.D2H: config.max_inflight_bytes_d2h,
+                                   Direction.H2D: config.max_inflight_bytes_h2d}
+        self.queues: dict[Direction, list[Request]] = {d: [] for d in Direction}
+        self.inflight_bytes = {d: 0 for d in Direction}
+        self.inflight_requests = 0
+        self.hazards = HazardTable()
+        self._batches: dict[BatchHandle, list[Request]] = {}
+        self._host_wait_since: dict[Request, float] = {}
+        self._pending_layers: dict[Request, list[tuple[int, asyncio.Future]]] = {}
+        self._orphans: list = []  # host pages to free once the copies still reading them end
+        self._pressure_tasks: set[asyncio.Task] = set()
+        self._flush_handle: asyncio.Handle | None = None
+        self._expiry_handle: asyncio.TimerHandle | None = None
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    # --- admission ------------------------------------------------------------------------
+
+    @property
+    def queued_requests(self) -> int:
+        return len(self.queues[Direction.D2H]) + len(self.queues[Direction.H2D])
+
+    def accept(self, request: Request) -> None:
+        """Queue an admitted request (validated by the service). Does not block."""
+        self.hazards.admit(request)
+        if request.host_pages is not None:
+            self.pool.begin_copy(request.host_pages)  # pinned until the request ends
+        self.queues[request.direction].append(request)
+        self._idle.clear()
+        self.metrics.set_queue_depth(request.direction, len(self.queues[request.direction]))
+        self.schedule_flush()
+
+    def schedule_flush(self) -> None:
+        if self._flush_handle is None:
+            self._flush_handle = self.loop.call_soon(self._flush)
+
+    # --- batching -------------------------------------------------------------------------
+
+    def _flush(self) -> None:
+        self._flush_handle = None
+        progress = True
+        while progress:  # a submitted backup can make a queued prefetch ready
+            progress = False
+            for direction in (Direction.H2D, Direction.D2H):
+                chosen = self._take_ready(direction)
+                if chosen:
+                    self._submit(direction, chosen)
+                    progress = True
+        for direction in Direction:
+            self.metrics.set_queue_depth(direction, len(self.queues[direction]))
+        self._publish_pool()
+
+    def _take_ready(self, direction: Direction) -> list[Request]:
+        queue = self.queues[direction]
+        if not queue:
+            return []
+        queue.sort(key=Request.sort_key)
+        room = self.max_inflight_bytes[direction] - self.inflight_bytes[direction]
+        busy = self.inflight_bytes[direction] > 0
+        chosen: list[Request] = []
+        kept: list[Request] = []
+        pages_needed = 0
+        full = False
+        for request in queue:
+            if full or any(dep.state is RequestState.QUEUED for dep, _ in request.deps):
+                kept.append(request)
+                continue
+            failed = self._failed_data_dependency(request)
+            if failed is not None:
+                self.finish(request, Outcome.FAILED, error=failed)
+                continue
+            if request.nbytes > room and (busy or chosen):
+                full = True  # backpressure: wait for in-flight bytes to drain, keep order
+                kept.append(request)
+                continue
+            if request.host_pages is None and not self._allocate_host(request):
+                pages_needed += request.num_pages
+                kept.append(request)
+                continue
+            chosen.append(request)
+            room -= request.nbytes
+        self.queues[direction] = kept
+        if pages_needed:
+            self._ask_for_host_pages(pages_needed)
+        return chosen
+
+    @staticmethod
+    def _failed_data_dependency(request: Request) -> BaseException | None:
+        for dep, needs_data in request.deps:
+            if needs_data and dep.state is RequestState.FINISHED and (
+                dep.future.cancelled() or dep.future.exception() is not None
+            ):
+                return TransferFailedError(
+                    f"the backup this prefetch reads (request {dep.seq}) "
+                    f"{'was cancelled' if dep.future.cancelled() else 'failed'} before its "
+                    f"bytes reached the host pages"
+                )
+        return None
+
+    def _allocate_host(self, request: Request) -> bool:
+        handle = self.pool.allocate(request.num_pages)
+        if handle is None:
+            if request not in self._host_wait_since:
+                self._host_wait_since[request] = self.loop.time()
+                self._arm_expiry()
+            return False
+        self._host_wait_since.pop(request, None)
+        request.host_handle = handle
+        request.host_pages = handle.pages
+        self.pool.begin_copy(handle.pages)
+        register_fresh_host_writes(self.hazards, request)
+        return True
+
+    def _submit(self, direction: Direction, requests: list[Request]) -> None:
+        deps: dict[BatchHandle, bool] = {}
+        after: list[object] = []
+        offset = 0
+        for request in requests:
+            request.batch_index = offset
+            offset += request.num_pages
+            for dep, needs_data in request.deps:
+                if dep.state is RequestState.SUBMITTED and dep.handle is not None:
+                    deps[dep.handle] = deps.get(dep.handle, False) or needs_data
+            if request.after is not None:
+                after.append(request.after)
+        batch = CopyBatch(
+            direction,
+            np.concatenate([r.host_pages for r in requests]),
+            np.concatenate([r.device_pages for r in requests]),
+            deps=tuple(Dependency(h, n) for h, n in deps.items()),
+            after=tuple(after),
+        )
+        handle = self.engine.submit(batch)
+        self._batches[handle] = requests
+        nbytes = 0
+        for request in requests:
+            request.handle = handle
+            request.state = RequestState.SUBMITTED
+            request.submitted.set()
+            nbytes += request.nbytes
+            for layer, future in self._pending_layers.pop(request, ()):
+                self._watch_layer(handle, layer, future)
+        self.inflight_bytes[direction] += nbytes
+        self.inflight_requests += len(requests)
+        self.metrics.set_inflight_bytes(direction, self.inflight_bytes[direction])
+
+    # --- completion -----------------------------------------------------------------------
+
+    def on_batch_done(self, handle: BatchHandle) -> None:
+        """Engine completion (on the loop, via the hand-off)."""
+        requests = self._batches.pop(handle)
+        direction = handle.batch.direction
+        if handle.error is None:
+            self.metrics.record_batch(direction, bytes_moved=handle.batch.num_pages *
+                                      self.bytes_per_page, pages_moved=handle.batch.num_pages,
+                                      duration_s=handle.duration_s)
+        else:
+            self.metrics.record_batch_error(direction)
+        for request in requests:
+            self.inflight_bytes[direction] -= request.nbytes
+            self.inflight_requests -= 1
+            if request.cancel_requested:
+                self.finish(request, Outcome.CANCELLED)
+            elif handle.error is not None:
+                error = TransferFailedError(
+                    f"{direction.value} copy of {request.num_pages} pages failed: "
+                    f"{handle.error!r}")
+                error.__cause__ = handle.error
+                self.finish(request, Outcome.FAILED, error=error)
+            else:
+                self.finish(request, Outcome.DONE, result=TransferResult(
+                    direction, request.num_pages, request.num_pages * self.bytes_per_page,
+                    request.padding_tokens, handle.duration_s,
+                    request.host_handle if direction is Direction.D2H else None))
+        self.metrics.set_inflight_bytes(direction, self.inflight_bytes[direction])
+        self._free_orphans()
+        self.schedule_flush()
+
+    def finish(self, request: Request, outcome: Outcome, *, result: TransferResult | None = None,
+               error: BaseException | None = None) -> None:
+        """End ``request`` once: return everything it held, then resolve its future."""
+        assert request.state is not RequestState.FINISHED
+        if request.state is RequestState.QUEUED:
+            self.queues[request.direction] = [r for r in self.queues[request.direction]
+                                              if r is not request]
+        request.state = RequestState.FINISHED
+        self._host_wait_since.pop(request, None)
+        self.hazards.retire(request)
+        if request.host_pages is not None:
+            self.pool.end_copy(request.host_pages)
+        if request.owns_host and outcome is not Outcome.DONE and request.host_handle is not None:
+            self._orphans.append(request.host_handle)
+            self._free_orphans()
+        self.metrics.record_request(
+            request.direction, outcome, latency_s=time.perf_counter() - request.submitted_at,
+            padding_bytes=request.padding_tokens * self.bytes_per_token)
+        future = request.future
+        if outcome is Outcome.DONE:
+            future.set_result(result)
+        elif outcome is Outcome.FAILED:
+            future.set_exception(error)
+        else:
+            future.cancel()
+        request.submitted.set()  # wake forward-pass threads waiting for a start
+        for _layer, layer_future in self._pending_layers.pop(request, ()):
+            if not layer_future.done():
+                layer_future.set_exception(error) if error else layer_future.cancel()
+        if not self._batches and not self.queued_requests:
+            self._idle.set()
+        self._publish_pool()
+
+    def _free_orphans(self) -> None:
+        still = []
+        for handle in self._orphans:
+            if self.pool.any_in_flight(handle.pages):
+                still.append(handle)
+            else:
+                self.pool.release(handle)
+        self._orphans = still
+
+    # --- cancellation ---------------------------------------------------------------------
+
+    def cancel(self, request: Request) -> bool:
+        if request.state is RequestState.FINISHED:
+            return False
+        if request.state is RequestState.QUEUED:
+            self.finish(request, Outcome.CANCELLED)
+            self.schedule_flush()
+        else:
+            request.cancel_requested = True  # the copy completes first; then it returns pages
+        return True
+
+    # --- host pressure --------------------------------------------------------------------
+
+    def _ask_for_host_pages(self, pages_needed: int) -> None:
+        callback = self.on_host_pressure
+        if callback is None:
+            return
+        try:
+            outcome = callback(pages_needed)
+        except Exception:  # noqa: BLE001 - a broken hook must not break the service
+            log.exception("on_host_pressure(%d) raised; evictions wait for space", pages_needed)
+            return
+        if inspect.isawaitable(outcome):
+            task = asyncio.ensure_future(outcome)
+            self._pressure_tasks.add(task)
+            task.add_done_callback(self._pressure_done)
+
+    def _pressure_done(self, task: asyncio.Task) -> None:
+        self._pressure_tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("on_host_pressure raised: %r; evictions wait for space", task.exception())
+        self.schedule_flush()
+
+    def _arm_expiry(self) -> None:
+        if self._expiry_handle is None and self._host_wait_since:
+            first = min(self._host_wait_since.values())
+            self._expiry_handle = self.loop.call_at(
+                first + self.config.host_wait_timeout_s, self._expire_host_waits)
+
+    def _expire_host_waits(self) -> None:
+        self._expiry_handle = None
+        now = self.loop.time()
+        timeout = self.config.host_wait_timeout_s
+        for request, since in list(self._host_wait_since.items()):
+            if now - since >= timeout:
+                stats = self.pool.statistics()
+                self.finish(request, Outcome.FAILED, error=HostPoolExhausted(
+                    f"eviction of {request.num_pages} pages waited {timeout:g} s for host "
+                    f"pages: needed {request.num_pages}, free {stats.free_pages}, capacity "
+                    f"{stats.capacity_pages} pages; release host pages (or register "
+                    f"on_host_pressure to do so), raise ServiceConfig.host_pool, or raise "
+                    f"host_wait_timeout_s"))
+        self._arm_expiry()
+        self.schedule_flush()
+
+    # --- per-layer readiness --------------------------------------------------------------
+
+    def layer_future(self, request: Request, layer: int) -> asyncio.Future:
+        future = self.loop.create_future()
+        if request.handle is not None:
+            self._watch_layer(request.handle, layer, future)
+        else:
+            self._pending_layers.setdefault(request, []).append((layer, future))
+        return future
+
+    def _watch_layer(self, handle: BatchHandle, layer: int, future: asyncio.Future) -> None:
+        def resolve() -> None:
+            if future.done():
+                return
+            if handle.error is not None and handle.layers_ready <= layer:
+                future.set_exception(TransferFailedError(
+                    f"prefetch failed before layer {layer} was ready: {handle.error!r}"))
+            else:
+                future.set_result(None)
+
+        if not handle.on_layer_ready(layer, resolve):
+            resolve()
+
+    def engine_wait_layer(self, handle: BatchHandle, layer: int) -> None:
+        self.engine.wait_layer(handle, layer)
+
+    def call_in_loop(self, fn: Callable[..., None], *args: object) -> None:
+        self.engine.handoff.post(fn, *args)
+
+    def record_layers(self, timeliness: Timeliness, layers: int, waited_s: float | None = None
+                      ) -> None:
+        self.metrics.record_prefetch_layers(timeliness, layers, waited_s=waited_s)
+
+    # --- state ----------------------------------------------------------------------------
+
+    def _publish_pool(self) -> None:
+        stats = self.pool.statistics()
+        bpp = self.bytes_per_page
+        self.metrics.set_host_pool(
+            used_bytes=stats.used_pages * bpp, free_bytes=stats.free_pages * bpp,
+            in_flight_bytes=stats.in_flight_pages * bpp, capacity_bytes=stats.capacity_pages * bpp)
+
+    async def drain(self, timeout_s: float) -> None:
+        """Wait until nothing is queued or in flight; after ``timeout_s`` cancel what is queued
+        and wait for the copies already started (they are never torn)."""
+        for request in list(self._host_wait_since):
+            self.finish(request, Outcome.CANCELLED)
+        self.schedule_flush()
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._idle.wait()
+        except TimeoutError:
+            for direction in Direction:
+                for request in list(self.queues[direction]):
+                    self.finish(request, Outcome.CANCELLED)
+            await self._idle.wait()
+        for task in list(self._pressure_tasks):
+            task.cancel()
+
+    def fail_everything_queued(self) -> None:
+        for direction in Direction:
+            for request in list(self.queues[direction]):
+                self.finish(request, Outcome.FAILED,
+                            error=ServiceClosedError("the service closed before this request ran"))

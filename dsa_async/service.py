@@ -1,0 +1,398 @@
+"""``OffloadService``: the asyncio front door an inference server embeds in its event loop.
+
+Lifecycle: ``async with OffloadService(config, buffers) as s`` (or ``await s.start()`` /
+``await s.close()``). ``start()`` checks the host pool against the memory budget and reserves
+it in the machine-wide ledger *before* anything is allocated or page-locked, then allocates
+and first-touches the arenas (off the loop), starts the engine and the loop-lag monitor.
+``close()`` stops admitting, drains in-flight work (cancelling what has not started after
+``drain_timeout_s``), stops the engine and returns the memory and the reservation.
+
+``evict``, ``prefetch``, ``release``, ``allocate_host_pages`` and ``statistics`` are plain
+methods for the loop thread: they validate, act or enqueue, and return at once. All waiting
+happens by awaiting the returned ``Transfer``. From another thread use ``call_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import enum
+import functools
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+from prometheus_client import CollectorRegistry
+
+from . import __version__
+from .budget import probe_host_budget
+from .config import ServiceConfig
+from .errors import (ConfigError, HostPoolExhausted, IndexTypeError, IndexValueError,
+                     QueueFullError, ServiceClosedError)
+from .host_pool import HostPages, HostPool
+from .kinds import Backend, Direction, Outcome
+from .ledger import HostLedger
+from .metrics import BudgetFigures, EventLoopLagMonitor, ServiceMetrics
+from .pages import as_index_array, pair_tokens_to_pages, tokens_to_pages
+from .plan import reserve_host_pools
+from .request import NO_DEADLINE, Request, Transfer, TransferResult
+from .scheduler import HostPressureCallback, Scheduler
+from .transfer.base import FaultHook, TransferEngine, resolve_backend
+from .transfer.buffers import DeviceBuffers, bind_pool
+from .transfer.handoff import LoopHandoff
+
+
+class ServiceState(enum.Enum):
+    NEW = "new"
+    STARTING = "starting"
+    RUNNING = "running"
+    CLOSING = "closing"
+    CLOSED = "closed"
+
+
+@dataclass(frozen=True)
+class ServiceStatistics:
+    """Current state only (no counters, no times). Once everything is released it equals the
+    snapshot taken just after ``start()``."""
+
+    capacity_pages: int
+    used_pages: int
+    free_pages: int
+    largest_free_extent_pages: int
+    in_flight_pages: int
+    ledger_bytes: int
+    queued_requests: int
+    inflight_requests: int
+
+
+def _make_engine(backend: Backend, *args, **kwargs) -> TransferEngine:
+    if backend is Backend.CUDA:
+        from .transfer.cuda import CudaEngine
+
+        return CudaEngine(*args, **kwargs)
+    from .transfer.cpu import CpuEngine
+
+    return CpuEngine(*args, **kwargs)
+
+
+class OffloadService:
+    """Moves whole pages of every pool between device buffers and a budget-checked host pool."""
+
+    def __init__(self, config: ServiceConfig, device_buffers: DeviceBuffers | Mapping[str, DeviceBuffers],
+                 *, registry: CollectorRegistry | None = None,
+                 on_host_pressure: HostPressureCallback | None = None,
+                 fault_hook: FaultHook | None = None) -> None:
+        if not isinstance(config, ServiceConfig):
+            raise ConfigError(f"config must be a ServiceConfig, got {type(config).__name__}")
+        names = [g.name for g in config.geometries]
+        if isinstance(device_buffers, Mapping):
+            if sorted(device_buffers) != sorted(names):
+                raise ConfigError(f"device buffers are given for pools {sorted(device_buffers)} "
+                                  f"but the config has pools {sorted(names)}; make them match")
+            buffers = dict(device_buffers)
+        else:
+            if len(names) != 1:
+                raise ConfigError(f"the config has pools {names}: pass device buffers as a "
+                                  f"mapping of pool name to buffers")
+            buffers = {names[0]: device_buffers}
+        self.config = config
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.on_host_pressure = on_host_pressure
+        self._buffers = buffers
+        self._fault_hook = fault_hook
+        self._state = ServiceState.NEW
+        self._closed = asyncio.Event()
+        self._scheduler: Scheduler | None = None
+        self._pool: HostPool | None = None
+        self._engine: TransferEngine | None = None
+        self._reservation = None
+        self._ledger: HostLedger | None = None
+        self._lag_monitor: EventLoopLagMonitor | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.metrics: ServiceMetrics | None = None
+        self.backend = Backend.AUTO
+        self.device_pages = 0
+        self.plan = None
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> OffloadService:
+        """Plan, reserve, allocate and start. Raises ``HostBudgetExceeded`` before allocating."""
+        if self._state is not ServiceState.NEW:
+            raise ServiceClosedError(f"start() needs a new service; this one is {self._state.value}")
+        self._state = ServiceState.STARTING
+        loop = asyncio.get_running_loop()
+        try:
+            await self._start(loop)
+        except BaseException:
+            await self._release_resources()
+            self._state = ServiceState.CLOSED
+            raise
+        self._state = ServiceState.RUNNING
+        return self
+
+    async def _start(self, loop: asyncio.AbstractEventLoop) -> None:
+        config = self.config
+        self.backend = resolve_backend(config.backend)
+        self._ledger = HostLedger(config.ledger_directory)
+        size = config.host_pool
+        self.plan, self._reservation = await asyncio.to_thread(
+            functools.partial(
+                reserve_host_pools, config.geometries, num_pages=size.pages,
+                requested_bytes=size.bytes, max_pages=size.max_pages, root=config.budget_root,
+                ledger=self._ledger, reserve_bytes=config.reserve_bytes))
+        self._pool = await asyncio.to_thread(HostPool.create, config.geometries, self.plan.num_pages)
+        await asyncio.to_thread(self._reservation.mark_allocated, self._pool.capacity_bytes)
+        bindings = {g.name: bind_pool(g, self._pool.arenas[g.name], self._buffers[g.name])
+                    for g in config.geometries}
+        self.device_pages = min(b.device_pages for b in bindings.values())
+        self.metrics = ServiceMetrics(self.registry, version=__version__, backend=self.backend,
+                                      budget_reader=self._read_budget)
+        self.metrics.observe_pool_allocation(self._pool.startup_s)
+        self._loop = loop
+        handoff = LoopHandoff(loop)
+        self._engine = _make_engine(self.backend, bindings, handoff, self._on_batch_done,
+                                    fault_hook=self._fault_hook)
+        self._scheduler = Scheduler(config, self._pool, self._engine, self.metrics, loop,
+                                    self._pressure)
+        self._lag_monitor = EventLoopLagMonitor(self.metrics.observe_loop_lag)
+        self._lag_monitor.start()
+        self._scheduler._publish_pool()
+
+    def _on_batch_done(self, handle) -> None:
+        self._scheduler.on_batch_done(handle)
+
+    def _pressure(self, pages_needed: int) -> object:
+        if self.on_host_pressure is None:
+            return None
+        return self.on_host_pressure(pages_needed)
+
+    def _read_budget(self) -> BudgetFigures:
+        """Scrape-time budget figures (blocking file reads; called from the scrape thread)."""
+        snapshot = probe_host_budget(self.config.budget_root, reserve_bytes=self.config.reserve_bytes)
+        entries = self._ledger.peek() if self._ledger is not None else ()
+        pending = sum(e.pending_bytes for e in entries)
+        return BudgetFigures(limit_bytes=snapshot.limit_bytes,
+                             reserved_bytes=sum(e.reserved_bytes for e in entries),
+                             available_bytes=max(0, snapshot.available_bytes - pending))
+
+    async def close(self) -> None:
+        """Stop admitting, drain, stop the engine, free the pool and the reservation.
+
+        Idempotent. Requests not started within ``drain_timeout_s`` are cancelled; copies
+        already started always complete (never torn)."""
+        if self._state is ServiceState.CLOSING:
+            await self._closed.wait()
+            return
+        if self._state in (ServiceState.CLOSED, ServiceState.NEW):
+            self._state = ServiceState.CLOSED
+            return
+        self._state = ServiceState.CLOSING
+        try:
+            if self._scheduler is not None:
+                await self._scheduler.drain(self.config.drain_timeout_s)
+        finally:
+            await self._release_resources()
+            self._pool = None  # the arenas go with the last reference
+            self._state = ServiceState.CLOSED
+            self._closed.set()
+
+    async def _release_resources(self) -> None:
+        if self._lag_monitor is not None:
+            await self._lag_monitor.stop()
+            self._lag_monitor = None
+        if self._engine is not None:
+            engine, self._engine = self._engine, None
+            await asyncio.to_thread(engine.close)
+            engine.handoff.drain_now()  # completions posted while closing
+            engine.handoff.closed = True
+        if self._reservation is not None:
+            reservation, self._reservation = self._reservation, None
+            await asyncio.to_thread(reservation.release)
+
+    async def __aenter__(self) -> OffloadService:
+        return await self.start()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    @property
+    def state(self) -> ServiceState:
+        return self._state
+
+    @property
+    def host_pool(self) -> HostPool:
+        self._running()
+        return self._pool
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_layers
+
+    def _running(self) -> Scheduler:
+        if self._state is not ServiceState.RUNNING:
+            raise ServiceClosedError(
+                f"the service is {self._state.value}; requests need a started service "
+                f"(await service.start() or use 'async with service')")
+        return self._scheduler
+
+    # --- requests -------------------------------------------------------------------------
+
+    def evict(self, device_tokens, *, host_tokens=None, after=None, priority: int = 0) -> Transfer:
+        """Back up the whole pages holding ``device_tokens`` (``int64 [n]``), in every pool.
+
+        Without ``host_tokens`` the service picks host pages (in extents) and the result
+        carries them (``Transfer.host_pages``). With ``host_tokens`` (same length, same in-page
+        offsets) they must lie in pages from :meth:`allocate_host_pages`. The copy waits for
+        ``after`` (a producer) or, on CUDA, the caller's current stream. Does not block.
+        """
+        scheduler = self._running()
+        ps = self.config.page_size_tokens
+        device = as_index_array(device_tokens, name="device_tokens",
+                                upper_bound=self.device_pages * ps)
+        if host_tokens is None:
+            paged = tokens_to_pages(device, ps)
+            device_pages, host_pages = paged.pages, None
+            padding, owns = paged.padding_tokens, True
+        else:
+            host = as_index_array(host_tokens, name="host_tokens",
+                                  upper_bound=self._pool.capacity_pages * ps)
+            pairs = pair_tokens_to_pages(host, device, ps)
+            self._pool.check_allocated(pairs.host_pages, name="host_tokens")
+            device_pages, host_pages = pairs.device_pages, pairs.host_pages
+            padding, owns = pairs.padding_tokens, False
+        return self._admit(scheduler, Direction.D2H, device_pages, host_pages, None, owns,
+                           after, priority, NO_DEADLINE, padding)
+
+    def prefetch(self, host: HostPages | None, device_tokens, *, host_tokens=None, after=None,
+                 deadline_s: float | None = None, priority: int = 0) -> Transfer:
+        """Load whole pages from the host into the device pages holding ``device_tokens``.
+
+        ``host`` is a ``HostPages`` handle (its pages pair with the device pages in order) or
+        ``None`` with ``host_tokens`` (same length and in-page offsets as ``device_tokens``).
+        Whole device pages are overwritten, layer by layer. ``deadline_s``: seconds from now
+        on the loop's clock; earlier deadlines, then larger ``priority``, go first. Does not block.
+        """
+        scheduler = self._running()
+        ps = self.config.page_size_tokens
+        device = as_index_array(device_tokens, name="device_tokens",
+                                upper_bound=self.device_pages * ps)
+        if host is not None and host_tokens is not None:
+            raise IndexValueError("pass a HostPages handle or host_tokens=, not both")
+        if host is None and host_tokens is None:
+            raise IndexValueError("prefetch needs the host side: a HostPages handle (from an "
+                                  "eviction or allocate_host_pages) or host_tokens=")
+        if host is not None:
+            if not isinstance(host, HostPages):
+                raise IndexTypeError(
+                    f"host must be a HostPages handle, got {type(host).__name__}; a bare "
+                    f"tensor is ambiguous (tokens or pages?): pass host_tokens=tensor instead")
+            self._pool.check_owned(host)
+            paged = tokens_to_pages(device, ps)
+            if paged.num_pages != host.num_pages:
+                raise IndexValueError(
+                    f"device_tokens cover {paged.num_pages} pages but {host!r} holds "
+                    f"{host.num_pages}; a prefetch pairs them page by page in order")
+            device_pages, host_pages, padding = paged.pages, host.pages, paged.padding_tokens
+        else:
+            hosts = as_index_array(host_tokens, name="host_tokens",
+                                   upper_bound=self._pool.capacity_pages * ps)
+            pairs = pair_tokens_to_pages(hosts, device, ps)
+            self._pool.check_allocated(pairs.host_pages, name="host_tokens")
+            device_pages, host_pages, padding = pairs.device_pages, pairs.host_pages, pairs.padding_tokens
+        if deadline_s is None:
+            deadline = NO_DEADLINE
+        elif isinstance(deadline_s, (int, float)) and not isinstance(deadline_s, bool) and \
+                math.isfinite(deadline_s):
+            deadline = self._loop.time() + deadline_s
+        else:
+            raise IndexValueError(f"deadline_s must be a finite number of seconds, got {deadline_s!r}")
+        return self._admit(scheduler, Direction.H2D, device_pages, host_pages, None, False,
+                           after, priority, deadline, padding)
+
+    def _admit(self, scheduler: Scheduler, direction: Direction, device_pages: np.ndarray,
+               host_pages: np.ndarray | None, host_handle: HostPages | None, owns_host: bool,
+               after: object, priority: int, deadline: float, padding: int) -> Transfer:
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise IndexTypeError(f"priority must be an int, got {priority!r}")
+        if scheduler.queued_requests >= self.config.max_queued_requests:
+            raise QueueFullError(
+                f"{scheduler.queued_requests} requests are queued, the bound "
+                f"(ServiceConfig.max_queued_requests) is {self.config.max_queued_requests}; "
+                f"await earlier transfers before submitting more, or raise the bound")
+        producer = self._producer(after, direction)
+        future = self._loop.create_future()
+        request = Request(direction, device_pages, host_pages=host_pages, host_handle=host_handle,
+                          owns_host=owns_host, after=producer, priority=priority,
+                          deadline=deadline, padding_tokens=padding,
+                          nbytes=int(device_pages.size) * scheduler.bytes_per_page, future=future)
+        transfer = Transfer(request, scheduler)
+        if request.num_pages == 0:  # an empty request is a no-op, not an error
+            scheduler.finish(request, Outcome.DONE, result=TransferResult(
+                direction, 0, 0, padding, 0.0, None))
+            return transfer
+        if isinstance(after, Transfer):
+            request.deps.append((after._request, False))  # ordered after that request's copy
+        scheduler.accept(request)
+        return transfer
+
+    def _producer(self, after: object, direction: Direction) -> object | None:
+        if after is None:
+            return self._engine.capture_producer() if direction is Direction.D2H else None
+        if isinstance(after, Transfer):
+            return None  # ordered through the scheduler, as a dependency
+        return self._engine.normalize_after(after)
+
+    def release(self, host: HostPages) -> None:
+        """Return host pages to the pool now. Raises ``PagesInFlightError`` (changing nothing)
+        while a copy reads or writes them, ``UnknownHostPagesError`` for a stale handle."""
+        scheduler = self._running()
+        self._pool.release(host)
+        scheduler.schedule_flush()  # evictions waiting for space may go now
+        scheduler._publish_pool()
+
+    def allocate_host_pages(self, num_pages: int) -> HostPages:
+        """Take ``num_pages`` host pages for callers that manage host slots themselves."""
+        self._running()
+        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages <= 0:
+            raise IndexValueError(f"num_pages must be a positive int, got {num_pages!r}")
+        handle = self._pool.allocate(num_pages)
+        if handle is None:
+            stats = self._pool.statistics()
+            raise HostPoolExhausted(
+                f"allocate_host_pages({num_pages}): needed {num_pages} pages, free "
+                f"{stats.free_pages}, capacity {stats.capacity_pages}; release host pages or "
+                f"raise ServiceConfig.host_pool")
+        self._scheduler._publish_pool()
+        return handle
+
+    def statistics(self) -> ServiceStatistics:
+        """A frozen snapshot of current state."""
+        self._running()
+        stats = self._pool.statistics()
+        return ServiceStatistics(
+            capacity_pages=stats.capacity_pages, used_pages=stats.used_pages,
+            free_pages=stats.free_pages, largest_free_extent_pages=stats.largest_free_extent_pages,
+            in_flight_pages=stats.in_flight_pages,
+            ledger_bytes=self._reservation.reserved_bytes if self._reservation else 0,
+            queued_requests=self._scheduler.queued_requests,
+            inflight_requests=self._scheduler.inflight_requests)
+
+    def call_threadsafe(self, method: Callable[..., object], *args: object, **kwargs: object
+                        ) -> concurrent.futures.Future:
+        """From another thread (e.g. the forward pass): run ``method(*args, **kwargs)`` — one of
+        this service's request methods — on the loop; the future holds its return value."""
+        if self._loop is None:
+            raise ServiceClosedError("the service has not started")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(method(*args, **kwargs))
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                    future.set_exception(exc)
+
+        self._loop.call_soon_threadsafe(run)
+        return future

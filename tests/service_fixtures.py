@@ -1,0 +1,41 @@
+"""Small real services on the CPU backend, with private ledgers, for the service tests."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from dsa_async.config import PoolSize, ServiceConfig
+from dsa_async.geometry import dsa_indexer, mla_kv
+from dsa_async.service import OffloadService
+
+PAGE = 64
+
+
+def make_buffers(geometry, device_pages: int, *, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (device_pages, geometry.bytes_per_page_per_layer),
+                          dtype=torch.uint8, generator=gen) for _ in range(geometry.num_layers)]
+
+
+def make_service(tmp_path, *, layers: int = 3, host_pages: int = 32, device_pages: int = 24,
+                 with_kv: bool = False, **config_kwargs) -> tuple[OffloadService, dict]:
+    geometries = [dsa_indexer(num_layers=layers)]
+    if with_kv:
+        geometries.append(mla_kv(num_layers=layers))
+    buffers = {g.name: make_buffers(g, device_pages, seed=i) for i, g in enumerate(geometries)}
+    config = ServiceConfig(geometries=tuple(geometries), host_pool=PoolSize(pages=host_pages),
+                           backend="cpu", ledger_directory=str(tmp_path / "ledger"),
+                           **config_kwargs)
+    service = OffloadService(config, buffers)
+    return service, buffers
+
+
+def page_bytes(buffers: dict, pages) -> dict:
+    """Copy of every pool's bytes of ``pages`` (device side), per layer."""
+    index = torch.as_tensor(np.asarray(pages, dtype=np.int64))
+    return {name: [layer[index].clone() for layer in layers] for name, layers in buffers.items()}
+
+
+def tokens(pages, *, page: int = PAGE) -> torch.Tensor:
+    return torch.as_tensor((np.asarray(pages)[:, None] * page + np.arange(page)).reshape(-1))
