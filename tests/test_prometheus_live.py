@@ -1,8 +1,7 @@
 """Every dashboard query, evaluated by a real Prometheus that scrapes a live metrics endpoint.
 
-The metrics source is the ``metrics_target`` fixture: any ``host:port`` serving ``/metrics`` with
-data flowing. Today it drives ``ServiceMetrics`` from a background thread; the queries and checks
-do not depend on where the data comes from.
+The metrics source is the ``metrics_target`` fixture: a real ``OffloadService`` on the CPU
+backend under a small workload (see ``live_service.py``), serving ``/metrics`` on loopback.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ from prometheus_client import CollectorRegistry
 from dsa_async.exposition import start_metrics_server
 from dsa_async.kinds import Backend, Direction, Outcome, Timeliness
 from dsa_async.metrics import BudgetFigures, ServiceMetrics
+from live_service import live_service
 from prometheus_harness import (
     SCRAPE_INTERVAL_S,
     PanelQuery,
@@ -34,68 +34,13 @@ from prometheus_harness import (
 RATE_INTERVAL = f"{4 * SCRAPE_INTERVAL_S}s"
 DASHBOARD_RANGE = "1m"
 TEST_BUDGET_S = 40.0
-FEED_PERIOD_S = 0.01
-PAGE_BYTES = 8448 * 61
-
-
-def _feed(metrics: ServiceMetrics, stop: threading.Event) -> None:
-    """Record a little of everything every FEED_PERIOD_S, so every panel has data."""
-    tick = 0
-    outcomes = list(Outcome)
-    budget_used = 0
-    while not stop.wait(FEED_PERIOD_S):  # the feed's pace, not a wait for a condition
-        tick += 1
-        for direction in Direction:
-            pages = 1 + tick % 16
-            metrics.record_batch(
-                direction, bytes_moved=pages * PAGE_BYTES, pages_moved=pages, duration_s=pages * 2e-5
-            )
-            metrics.record_request(
-                direction,
-                outcomes[tick % len(outcomes)],
-                latency_s=1e-4 * (1 + tick % 50),
-                padding_bytes=(tick % 4) * 132 * 61,
-            )
-            metrics.set_queue_depth(direction, tick % 7)
-            metrics.set_inflight_bytes(direction, (tick % 5) * PAGE_BYTES)
-            if tick % 25 == 0:
-                metrics.record_batch_error(direction)
-        budget_used = (budget_used + PAGE_BYTES) % (64 * PAGE_BYTES)
-        metrics.set_host_pool(
-            used_bytes=budget_used,
-            free_bytes=64 * PAGE_BYTES - budget_used,
-            in_flight_bytes=PAGE_BYTES,
-            capacity_bytes=64 * PAGE_BYTES,
-        )
-        metrics.observe_pool_allocation(3e-5)
-        metrics.record_prefetch_layers(Timeliness.ON_TIME, 55)
-        metrics.record_prefetch_layers(Timeliness.LATE, 4, waited_s=2e-4 * (1 + tick % 10))
-        metrics.record_prefetch_layers(Timeliness.WASTED, 2)
-        metrics.observe_loop_lag(1e-4 * (1 + tick % 30))
 
 
 @pytest.fixture
-def metrics_target() -> Iterator[str]:
-    """``host:port`` of a live ``/metrics`` endpoint whose every series keeps moving."""
-    registry = CollectorRegistry()
-    metrics = ServiceMetrics(
-        registry,
-        version="0.0.live",
-        backend=Backend.CPU,
-        budget_reader=lambda: BudgetFigures(
-            limit_bytes=16 << 30, reserved_bytes=6 << 30, available_bytes=10 << 30
-        ),
-    )
-    stop = threading.Event()
-    feeder = threading.Thread(target=_feed, args=(metrics, stop), name="metrics-feed", daemon=True)
-    server = start_metrics_server(registry, host="127.0.0.1", port=0)
-    try:
-        feeder.start()
-        yield f"127.0.0.1:{server.port}"
-    finally:
-        stop.set()
-        feeder.join(5)
-        server.close()
+def metrics_target(tmp_path) -> Iterator[str]:
+    """``host:port`` of a real OffloadService's ``/metrics`` under a CPU workload."""
+    with live_service(tmp_path) as target:
+        yield target
 
 
 QUERIES = [q for path in dashboard_files() for q in panel_queries(path)]
