@@ -129,6 +129,12 @@ class PagedTokens:
 
 def tokens_to_pages(tokens: np.ndarray, page_size_tokens: int) -> PagedTokens:
     """The whole pages holding ``tokens`` (validated ``int64 [n]``), duplicates removed."""
+    n = tokens.size
+    if n and int(tokens[-1]) - int(tokens[0]) == n - 1 and (np.diff(tokens) == 1).all():
+        # One ascending range (the common case): no sort, no unique.
+        first, last = int(tokens[0]) // page_size_tokens, int(tokens[-1]) // page_size_tokens
+        pages = np.arange(first, last + 1, dtype=np.int64)
+        return PagedTokens(pages, n, pages.size * page_size_tokens - n)
     pages = _first_occurrence_unique(tokens // page_size_tokens)
     distinct = _count_distinct(tokens)
     return PagedTokens(pages, distinct, pages.size * page_size_tokens - distinct)

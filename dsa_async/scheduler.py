@@ -223,7 +223,7 @@ class Scheduler:
                     request.host_handle if direction is Direction.D2H else None))
         self.metrics.set_inflight_bytes(direction, self.inflight_bytes[direction])
         self._free_orphans()
-        self.schedule_flush()
+        self.schedule_flush()  # publishes the pool gauges once for the whole batch
 
     def finish(self, request: Request, outcome: Outcome, *, result: TransferResult | None = None,
                error: BaseException | None = None) -> None:
@@ -256,7 +256,6 @@ class Scheduler:
                 layer_future.set_exception(error) if error else layer_future.cancel()
         if not self._batches and not self.queued_requests:
             self._idle.set()
-        self._publish_pool()
 
     def _free_orphans(self) -> None:
         still = []
@@ -274,7 +273,7 @@ class Scheduler:
             return False
         if request.state is RequestState.QUEUED:
             self.finish(request, Outcome.CANCELLED)
-            self.schedule_flush()
+            self.schedule_flush()  # and republish the pool gauges
         else:
             request.cancel_requested = True  # the copy completes first; then it returns pages
         return True

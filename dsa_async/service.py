@@ -82,7 +82,8 @@ class OffloadService:
     def __init__(self, config: ServiceConfig, device_buffers: DeviceBuffers | Mapping[str, DeviceBuffers],
                  *, registry: CollectorRegistry | None = None,
                  on_host_pressure: HostPressureCallback | None = None,
-                 fault_hook: FaultHook | None = None) -> None:
+                 fault_hook: FaultHook | None = None,
+                 engine_factory: Callable[..., TransferEngine] | None = None) -> None:
         if not isinstance(config, ServiceConfig):
             raise ConfigError(f"config must be a ServiceConfig, got {type(config).__name__}")
         names = [g.name for g in config.geometries]
@@ -101,6 +102,7 @@ class OffloadService:
         self.on_host_pressure = on_host_pressure
         self._buffers = buffers
         self._fault_hook = fault_hook
+        self._engine_factory = engine_factory  # None: the backend's engine
         self._state = ServiceState.NEW
         self._closed = asyncio.Event()
         self._scheduler: Scheduler | None = None
@@ -152,8 +154,8 @@ class OffloadService:
         self.metrics.observe_pool_allocation(self._pool.startup_s)
         self._loop = loop
         handoff = LoopHandoff(loop)
-        self._engine = _make_engine(self.backend, bindings, handoff, self._on_batch_done,
-                                    fault_hook=self._fault_hook)
+        factory = self._engine_factory or functools.partial(_make_engine, self.backend)
+        self._engine = factory(bindings, handoff, self._on_batch_done, fault_hook=self._fault_hook)
         self._scheduler = Scheduler(config, self._pool, self._engine, self.metrics, loop,
                                     self._pressure)
         self._lag_monitor = EventLoopLagMonitor(self.metrics.observe_loop_lag)
@@ -349,8 +351,7 @@ class OffloadService:
         while a copy reads or writes them, ``UnknownHostPagesError`` for a stale handle."""
         scheduler = self._running()
         self._pool.release(host)
-        scheduler.schedule_flush()  # evictions waiting for space may go now
-        scheduler._publish_pool()
+        scheduler.schedule_flush()  # evictions waiting for space may go now; gauges follow
 
     def allocate_host_pages(self, num_pages: int) -> HostPages:
         """Take ``num_pages`` host pages for callers that manage host slots themselves."""
