@@ -1,0 +1,293 @@
+"""A seeded random driver runs the real service (CPU backend, two pools) against a reference
+model of device and host bytes: evictions (service-chosen and explicit host pages), prefetches
+(also of backups still in flight), releases, cancellations, device writes and layer-by-layer
+consumers, checked byte for byte, with the pool's accounting, after every step that awaits.
+
+The model applies each copy in submission order (the hazard rules make that the order the
+bytes move in). A request that did not end done may or may not have copied, so the pages it
+writes become unknown, as does anything later copied from unknown pages, until rewritten.
+
+``DSA_ASYNC_STATEFUL_STEPS``: steps per seed (default 500, over 5 seeds)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+import torch
+from service_fixtures import PAGE, make_service
+
+from dsa_async.errors import PagesInFlightError
+from dsa_async.host_pool import HostPages
+from dsa_async.ledger import HostLedger
+
+LAYERS, DEVICE_PAGES, HOST_PAGES = 3, 24, 32
+STEPS = int(os.environ.get("DSA_ASYNC_STATEFUL_STEPS", "500"))
+SEEDS = [11, 23, 37, 41, 59]
+BOUND_S = 60
+
+
+@dataclass
+class Op:
+    transfer: object
+    kind: str  # "d2h" (explicit), "auto" (service-chosen host pages) or "h2d"
+    reads: set  # ("d", page) / ("h", page)
+    writes: set
+    snapshot: dict | None = None  # auto: the source bytes at submission
+    device_pages: np.ndarray | None = None
+    layer_seen: dict = field(default_factory=dict)  # (name, layer) -> bytes seen when ready
+    expected: dict | None = None  # h2d: the bytes the device pages should get
+
+
+def _token_ranges(rng: random.Random, pages: list[int]) -> np.ndarray:
+    """Arbitrary token runs, one per page (so whole pages, with padding, in this order)."""
+    out = []
+    for p in pages:
+        a = rng.randrange(PAGE)
+        b = rng.randrange(a, PAGE) + 1
+        out.append(np.arange(p * PAGE + a, p * PAGE + b))
+    return np.concatenate(out).astype(np.int64)
+
+
+class Driver:
+    def __init__(self, service, buffers, seed: int) -> None:
+        self.s, self.buffers, self.rng = service, buffers, random.Random(seed)
+        self.gen = torch.Generator().manual_seed(seed)
+        self.dev = {n: torch.stack([x.clone() for x in layers]) for n, layers in buffers.items()}
+        self.host = {n: torch.zeros_like(a) for n, a in service.host_pool.arenas.items()}
+        self.tainted: set = set()
+        self.log: list = []  # ops and device writes since the last checkpoint, in order
+        self.handles: list[HostPages] = []
+        self.consumers: list[tuple[asyncio.Task, set]] = []
+        self.counts: dict[str, int] = {}
+
+    # --- helpers --------------------------------------------------------------------------
+
+    def pending(self) -> list[Op]:
+        return [e for e in self.log if isinstance(e, Op) and not e.transfer.done()]
+
+    def busy_device(self) -> set:
+        busy = set()
+        for op in self.pending():
+            busy |= {p for k, p in op.reads | op.writes if k == "d"}
+        for task, pages in self.consumers:
+            if not task.done():
+                busy |= pages
+        return busy
+
+    def consumer_pages(self) -> set:
+        return set().union(*[p for t, p in self.consumers if not t.done()])
+
+    def read(self, key):
+        kind, page = key
+        src = self.dev if kind == "d" else self.host
+        return {n: a[:, page].clone() for n, a in src.items()}
+
+    def write(self, key, value) -> None:
+        kind, page = key
+        dst = self.dev if kind == "d" else self.host
+        for n in dst:
+            dst[n][:, page] = value[n]
+
+    # --- operations -----------------------------------------------------------------------
+
+    def device_write(self) -> None:
+        free = sorted(set(range(DEVICE_PAGES)) - self.busy_device())
+        if not free:
+            return
+        for page in self.rng.sample(free, min(len(free), self.rng.randint(1, 3))):
+            for n, layers in self.buffers.items():
+                for j, layer in enumerate(layers):
+                    fresh = torch.randint(0, 256, layer[page].shape, dtype=torch.uint8,
+                                          generator=self.gen)
+                    layer[page] = fresh
+                    self.dev[n][j, page] = fresh
+            self.log.append(("write", page))
+
+    def evict_auto(self) -> None:
+        n = self.rng.randint(1, 4)
+        waiting = sum(op.transfer.num_pages for op in self.pending()
+                      if op.kind == "auto" and op.transfer.host_pages is None)
+        if self.s.statistics().free_pages - waiting < n:
+            return
+        pages = self.rng.sample(range(DEVICE_PAGES), n)
+        t = self.s.evict(torch.from_numpy(_token_ranges(self.rng, pages)))
+        self.log.append(Op(t, "auto", {("d", p) for p in pages}, set(),
+                           snapshot={p: self.read(("d", p)) for p in pages},
+                           device_pages=np.array(pages)))
+
+    def _pairs(self):
+        if not self.handles:
+            return None
+        handle = self.rng.choice(self.handles)
+        k = self.rng.randint(1, handle.num_pages)
+        host = self.rng.sample(list(handle.pages.tolist()), k)
+        return handle, host
+
+    def evict_explicit(self) -> None:
+        picked = self._pairs()
+        if picked is None:
+            return
+        _, host = picked
+        dev = self.rng.sample(range(DEVICE_PAGES), len(host))
+        offsets = [self.rng.randrange(PAGE) for _ in host]
+        d_tokens = torch.tensor([d * PAGE + o for d, o in zip(dev, offsets)])
+        h_tokens = torch.tensor([h * PAGE + o for h, o in zip(host, offsets)])
+        t = self.s.evict(d_tokens, host_tokens=h_tokens)
+        for d, h in zip(dev, host):
+            self.write(("h", h), self.read(("d", d)))
+        self.log.append(Op(t, "d2h", {("d", d) for d in dev}, {("h", h) for h in host}))
+
+    def prefetch(self, consume: bool) -> None:
+        picked = self._pairs()
+        if picked is None:
+            return
+        handle, host = picked
+        allowed = sorted(set(range(DEVICE_PAGES)) - self.consumer_pages())
+        if self.rng.random() < 0.4:  # the whole handle, paired in order
+            host = handle.pages.tolist()
+        if len(allowed) < len(host):
+            return
+        dev = self.rng.sample(allowed, len(host))
+        if host == handle.pages.tolist() and self.rng.random() < 0.5:
+            t = self.s.prefetch(handle, torch.from_numpy(_token_ranges(self.rng, dev)))
+        else:
+            offsets = [self.rng.randrange(PAGE) for _ in host]
+            t = self.s.prefetch(None, torch.tensor([d * PAGE + o for d, o in zip(dev, offsets)]),
+                                host_tokens=torch.tensor([h * PAGE + o for h, o in
+                                                          zip(host, offsets)]))
+        for d, h in zip(dev, host):
+            self.write(("d", d), self.read(("h", h)))
+        op = Op(t, "h2d", {("h", h) for h in host}, {("d", d) for d in dev},
+                device_pages=np.array(dev), expected={d: self.read(("d", d)) for d in dev})
+        self.log.append(op)
+        if consume:
+            task = asyncio.ensure_future(self._consume(op))
+            self.consumers.append((task, set(dev)))
+
+    async def _consume(self, op: Op) -> None:
+        index = torch.from_numpy(op.device_pages)
+        for layer in range(LAYERS):
+            try:
+                await op.transfer.layer_ready(layer)
+            except (asyncio.CancelledError, Exception):
+                return
+            for n, layers in self.buffers.items():
+                op.layer_seen[(n, layer)] = layers[layer][index].clone()
+
+    def release(self) -> None:
+        if not self.handles:
+            return
+        handle = self.rng.choice(self.handles)
+        in_use = any(("h", p) in op.reads | op.writes for op in self.pending()
+                     for p in handle.pages.tolist())
+        if in_use:
+            try:
+                self.s.release(handle)
+            except PagesInFlightError:
+                self.counts["refused-release"] = self.counts.get("refused-release", 0) + 1
+                return
+            raise AssertionError("release of pages in flight was accepted")
+        self.s.release(handle)
+        self.handles.remove(handle)
+
+    def allocate(self) -> None:
+        n = self.rng.randint(1, 4)
+        if self.s.statistics().free_pages >= n + 4:
+            self.handles.append(self.s.allocate_host_pages(n))
+
+    def cancel(self) -> None:
+        pending = self.pending()
+        if pending:
+            self.rng.choice(pending).transfer.cancel()
+
+    # --- checkpoint -----------------------------------------------------------------------
+
+    async def checkpoint(self) -> None:
+        for op in self.pending():
+            await asyncio.gather(op.transfer._wait(), return_exceptions=True)
+        for task, _ in self.consumers:
+            await task
+        self.consumers.clear()
+        for entry in self.log:
+            if not isinstance(entry, Op):
+                self.tainted.discard(("d", entry[1]))
+                continue
+            t = entry.transfer
+            done = not t.cancelled() and t._request.future.exception() is None
+            clean = done and not (entry.reads & self.tainted)
+            outcome = "done" if done else "cancelled" if t.cancelled() else "failed"
+            self.counts[f"{entry.kind}-{outcome}"] = self.counts.get(f"{entry.kind}-{outcome}", 0) + 1
+            if entry.kind == "auto":
+                if not done and t.host_pages is not None:  # it may have copied, then freed
+                    self.tainted |= {("h", h) for h in t.host_pages.pages.tolist()}
+                if done:
+                    handle = t.result().host_pages
+                    self.handles.append(handle)
+                    for d, h in zip(entry.device_pages.tolist(), handle.pages.tolist()):
+                        key = ("h", h)
+                        self.write(key, entry.snapshot[d])
+                        (self.tainted.discard if clean else self.tainted.add)(key)
+                continue
+            for key in entry.writes:
+                (self.tainted.discard if clean else self.tainted.add)(key)
+            if entry.kind == "h2d" and clean:
+                for (n, layer), seen in entry.layer_seen.items():
+                    want = torch.stack([entry.expected[d][n][layer]
+                                        for d in entry.device_pages.tolist()])
+                    assert torch.equal(seen, want), f"layer {layer} of {n} wrong when ready"
+        self.log.clear()
+        self.verify()
+
+    def verify(self) -> None:
+        for n, layers in self.buffers.items():
+            got = torch.stack(layers)
+            for page in range(DEVICE_PAGES):
+                if ("d", page) not in self.tainted:
+                    assert torch.equal(got[:, page], self.dev[n][:, page]), f"device {n} {page}"
+            arena = self.s.host_pool.arenas[n]
+            for page in range(HOST_PAGES):
+                if ("h", page) not in self.tainted:
+                    assert torch.equal(arena[:, page], self.host[n][:, page]), f"host {n} {page}"
+        stats = self.s.statistics()
+        assert stats.used_pages == sum(h.num_pages for h in self.handles)
+        assert stats.in_flight_pages == 0 and stats.queued_requests == 0
+        assert stats.inflight_requests == 0
+
+    async def run(self, steps: int) -> int:
+        ops = [(self.evict_auto, 3), (self.evict_explicit, 3), (lambda: self.prefetch(False), 3),
+               (lambda: self.prefetch(True), 2), (self.device_write, 3), (self.release, 2),
+               (self.allocate, 2), (self.cancel, 1)]
+        fns, weights = zip(*ops)
+        checkpoints = 0
+        for step in range(steps):
+            if self.rng.random() < 0.12:
+                await self.checkpoint()
+                checkpoints += 1
+                continue
+            self.rng.choices(fns, weights)[0]()
+            if self.rng.random() < 0.3:
+                await asyncio.sleep(0)  # let flushes and completions interleave
+        await self.checkpoint()
+        return checkpoints + 1
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+async def test_random_operations_match_the_reference_model(tmp_path, seed):
+    service, buffers = make_service(tmp_path, layers=LAYERS, host_pages=HOST_PAGES,
+                                    device_pages=DEVICE_PAGES, with_kv=True,
+                                    host_wait_timeout_s=0.5)
+    async with service, asyncio.timeout(BOUND_S):
+        start = service.statistics()
+        driver = Driver(service, buffers, seed)
+        checkpoints = await driver.run(STEPS)
+        for handle in driver.handles:
+            service.release(handle)
+        assert service.statistics() == start
+        print(f"seed {seed}: {STEPS} steps, {checkpoints} checkpoints, {driver.counts}, "
+              f"{len(driver.tainted)} pages unknown at the end")
+    assert HostLedger(tmp_path / "ledger").entries() == ()
