@@ -21,7 +21,7 @@ import pytest
 import torch
 from service_fixtures import PAGE, make_service
 
-from dsa_async.errors import PagesInFlightError
+from dsa_async.errors import PagesInFlightError, TransferFailedError
 from dsa_async.host_pool import HostPages
 from dsa_async.ledger import HostLedger
 
@@ -174,7 +174,7 @@ class Driver:
         for layer in range(LAYERS):
             try:
                 await op.transfer.layer_ready(layer)
-            except (asyncio.CancelledError, Exception):
+            except (asyncio.CancelledError, TransferFailedError):  # the copy ended badly
                 return
             for n, layers in self.buffers.items():
                 op.layer_seen[(n, layer)] = layers[layer][index].clone()
