@@ -79,13 +79,13 @@ def as_index_array(value: IndexLike, *, name: str, upper_bound: int | None = Non
         low = int(array.min())
         if low < 0:
             at = int(np.argmax(array < 0))
-            raise IndexValueError(f"{name}[{at}] = {low} is negative; indices start at 0")
+            raise IndexValueError(f"{name}[{at}] = {int(array[at])} is negative; indices start at 0")
         if upper_bound is not None:
             high = int(array.max())
             if high >= upper_bound:
                 at = int(np.argmax(array >= upper_bound))
                 raise IndexValueError(
-                    f"{name}[{at}] = {high} is out of range: this side holds {upper_bound} "
+                    f"{name}[{at}] = {int(array[at])} is out of range: this side holds {upper_bound} "
                     f"slots (valid 0..{upper_bound - 1})"
                 )
     return array

@@ -217,14 +217,7 @@ CASES = [
 ]
 
 
-# as_index_array reports the first offending position but the extreme value (min or max), so
-# with several bad entries the message pairs an index with a value that is not there.
-_MISPAIRED = pytest.mark.xfail(strict=True, reason=(
-    "dsa_async.pages.as_index_array names the first out-of-range/negative position but the "
-    "array's max/min value: [2048..2111] reports 'host_tokens[0] = 2111', [3, -1, -5] "
-    "reports 'device_tokens[1] = -5'"))
-PARAMS = [pytest.param(c, id=c.id, marks=_MISPAIRED if c.id.endswith("names-the-pair") else ())
-          for c in CASES]
+PARAMS = [pytest.param(c, id=c.id) for c in CASES]
 
 
 @pytest.mark.parametrize("case", PARAMS)
