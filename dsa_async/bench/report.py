@@ -1,0 +1,125 @@
+"""The bench's outputs: a table for people (stdout) and one JSON object for machines.
+
+JSON schema::
+
+    {"results": {figure: number, ...},
+     "targets": {figure: {"comparison": ">=" | "<=", "target": number | null, "unit": str,
+                          "better": "higher" | "lower", "met": bool | null,
+                          "definition": str}, ...},
+     "machine": {"cpu_count", "usable_cpus", "torch_version", "threads", "backend",
+                 "device_name", "python", "platform", "pairs", "figure_bytes", "elapsed_s"},
+     "errors": {scenario: message}            (only when a scenario failed)
+     "throughput": {"batch_pages": [...], "engine_gbps": [...], ...}   (only with --plot)}
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from .registry import Target
+from .runner import BenchRun
+
+MET, MISSED, INFO, NOT_MEASURED = "met", "missed", "reported", "not measured"
+
+
+def status(target: Target | None, value: float | None) -> str:
+    if value is None:
+        return NOT_MEASURED
+    verdict = target.met(value) if target is not None else None
+    if verdict is None:
+        return INFO
+    return MET if verdict else MISSED
+
+
+def _number(value: float | None, unit: str) -> str:
+    if value is None:
+        return "-"
+    if unit == "s":
+        return f"{value * 1e3:.1f} ms"
+    return f"{value:.3f}"
+
+
+def _target_text(target: Target | None) -> str:
+    if target is None or target.target is None:
+        return "-"
+    return f"{target.comparison.value} {target.target:g}"
+
+
+def _better(target: Target | None) -> str:
+    if target is None or target.target is None:
+        return ""
+    return f"{target.better} is better"
+
+
+def figure_names(run: BenchRun, targets: Mapping[str, Target]) -> list[str]:
+    """Every figure with a target, in registration order, then any extra measured ones."""
+    return list(targets) + [name for name in run.results if name not in targets]
+
+
+def format_table(run: BenchRun, targets: Mapping[str, Target]) -> str:
+    rows = [("figure", "value", "target", "status", "")]
+    for name in figure_names(run, targets):
+        target = targets.get(name)
+        value = run.results.get(name)
+        rows.append((name, _number(value, target.unit if target else ""), _target_text(target),
+                     status(target, value), _better(target)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = []
+    for i, row in enumerate(rows):
+        cells = [row[0].ljust(widths[0]), row[1].rjust(widths[1]), row[2].ljust(widths[2]),
+                 row[3].ljust(widths[3]), row[4]]
+        lines.append("  ".join(cells).rstrip())
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths[:4]))
+    m = run.machine
+    lines += [
+        "",
+        (f"ratios: median of {m.get('pairs')} interleaved pairs, >= "
+         f"{m.get('figure_bytes', 0):,} B per figure; backend {m.get('backend')} "
+         f"({m.get('device_name')}), {m.get('threads')} torch threads, {m.get('usable_cpus')} "
+         f"CPUs, torch {m.get('torch_version')}; {run.elapsed_s:.1f} s"),
+    ]
+    for scenario, message in run.errors.items():
+        lines.append(f"FAILED {scenario}: {message}")
+    lines.append("")
+    lines.append("definitions:")
+    for name in figure_names(run, targets):
+        if name in targets:
+            lines.append(f"  {name}: {targets[name].definition}")
+    return "\n".join(lines)
+
+
+def _json_number(value: float | None) -> float | None:
+    return None if value is None or not math.isfinite(value) else value
+
+
+def to_json(run: BenchRun, targets: Mapping[str, Target]) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "results": {k: _json_number(v) for k, v in run.results.items()},
+        "targets": {
+            name: {
+                "comparison": t.comparison.value,
+                "target": t.target,
+                "unit": t.unit,
+                "better": t.better,
+                "met": t.met(run.results[name]) if name in run.results else None,
+                "definition": t.definition,
+            }
+            for name, t in targets.items()
+        },
+        "machine": {**run.machine, "elapsed_s": round(run.elapsed_s, 3)},
+    }
+    if run.errors:
+        out["errors"] = dict(run.errors)
+    if run.series:
+        out["throughput"] = {k: list(v) for k, v in run.series.items()}
+    return out
+
+
+def write_json(path: Path, run: BenchRun, targets: Mapping[str, Target]) -> None:
+    path.write_text(json.dumps(to_json(run, targets), indent=2, allow_nan=False) + "\n",
+                    encoding="utf-8")

@@ -1,0 +1,137 @@
+"""Service figures: front-door overhead with a no-op engine, and per-layer overlap.
+
+These are absolute medians (µs) or a fraction, not ratios to a copy: the scheduler figures
+isolate Python work (validation, padding, page states, hazards, batching, metrics) from bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+import tempfile
+import threading
+import time
+
+import torch
+
+from ..config import PoolSize, ServiceConfig
+from ..service import OffloadService
+from ..transfer.noop import NoopEngine
+from .registry import BenchContext, Comparison, Target, register_scenario, register_target
+
+OVERHEAD = register_target(Target(
+    "scheduler.overhead_us_per_request", Comparison.AT_MOST, 20.0, "us",
+    "2,000 evictions of 1-4 pages given as token ranges at random in-page offsets, submitted "
+    "then awaited together and released, through the full front door with a no-op engine; "
+    "wall time / requests, median of rounds"))
+LATENCY = register_target(Target(
+    "scheduler.single_request_latency_us", Comparison.AT_MOST, 100.0, "us",
+    "one such eviction submitted and awaited alone (no-op engine); median of 300"))
+OVERLAP = register_target(Target(
+    "overlap.exposed_fraction", Comparison.AT_MOST, 0.10, "",
+    "a forward-pass thread runs torch matmuls per layer sized to 1.5x the layer's copy time and "
+    "waits on each layer of a 61-layer prefetch (wait_layer); sum of its waits / the same "
+    "prefetch's copy time measured alone; median of rounds"))
+
+DEVICE_PAGES = 512
+
+
+def _service(ctx: BenchContext, host_pages: int, engine_factory, device_pages: int
+             ) -> tuple[OffloadService, list[torch.Tensor]]:
+    g = ctx.geometry
+    device = [torch.zeros(device_pages, g.bytes_per_page_per_layer, dtype=torch.uint8)
+              for _ in range(g.num_layers)]
+    config = ServiceConfig(geometries=(g,), host_pool=PoolSize(pages=host_pages), backend="cpu",
+                           ledger_directory=tempfile.mkdtemp(prefix="dsa-async-bench-"))
+    return OffloadService(config, device, engine_factory=engine_factory), device
+
+
+def _token_requests(count: int, seed: int) -> list[torch.Tensor]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        pages = rng.randint(1, 4)
+        start = rng.randrange(0, DEVICE_PAGES - 5) * 64 + rng.randrange(64)
+        out.append(torch.arange(start, start + (pages - 1) * 64 + 1))
+    return out
+
+
+async def _scheduler_figures(ctx: BenchContext) -> dict[str, float]:
+    service, _ = _service(ctx, 16 * 2048, NoopEngine, DEVICE_PAGES)
+    requests = _token_requests(2000, ctx.seed)
+    async with service:
+        per_request = []
+        for _ in range(max(ctx.pairs, 5)):
+            started = time.perf_counter()
+            transfers = [service.evict(tokens) for tokens in requests]
+            for transfer in transfers:
+                service.release((await transfer).host_pages)
+            per_request.append((time.perf_counter() - started) / len(requests) * 1e6)
+        single = []
+        for tokens in requests[:300]:
+            started = time.perf_counter()
+            result = await service.evict(tokens)
+            single.append((time.perf_counter() - started) * 1e6)
+            service.release(result.host_pages)
+    return {OVERHEAD.name: statistics.median(per_request),
+            LATENCY.name: statistics.median(single)}
+
+
+@register_scenario
+def scheduler(ctx: BenchContext) -> dict[str, float]:
+    ctx.progress("scheduler: front-door overhead with a no-op engine")
+    return ctx.run_on_loop(_scheduler_figures(ctx))
+
+
+def _calibrated_compute(target_s: float) -> tuple[torch.Tensor, int]:
+    a = torch.randn(256, 256)
+    for _ in range(3):
+        a @ a
+    reps = 20
+    started = time.perf_counter()
+    for _ in range(reps):
+        a @ a
+    one = (time.perf_counter() - started) / reps
+    return a, max(1, round(target_s / one))
+
+
+async def _overlap(ctx: BenchContext) -> float:
+    g = ctx.geometry
+    pages = max(16, ctx.figure_bytes // g.bytes_per_page // 4)
+    service, device = _service(ctx, pages, ctx.engine_class, pages)
+    async with service:
+        backup = await service.evict(torch.arange(0, pages * g.page_size_tokens))
+        alone = []
+        for _ in range(3):
+            started = time.perf_counter()
+            await service.prefetch(backup.host_pages, torch.arange(0, pages * g.page_size_tokens))
+            alone.append(time.perf_counter() - started)
+        copy_s = statistics.median(alone)
+        matrix, reps = _calibrated_compute(1.5 * copy_s / g.num_layers)
+        fractions = []
+        for _ in range(max(ctx.pairs, 5)):
+            load = service.prefetch(backup.host_pages, torch.arange(0, pages * g.page_size_tokens))
+            waited = [0.0]
+
+            def forward_pass() -> None:
+                for layer in range(g.num_layers):
+                    started = time.perf_counter()
+                    load.wait_layer(layer)
+                    waited[0] += time.perf_counter() - started
+                    for _ in range(reps):
+                        matrix @ matrix
+
+            thread = threading.Thread(target=forward_pass, name="bench-forward-pass")
+            thread.start()
+            await load
+            await asyncio.to_thread(thread.join)
+            fractions.append(waited[0] / copy_s)
+        service.release(backup.host_pages)
+    return statistics.median(fractions)
+
+
+@register_scenario
+def overlap(ctx: BenchContext) -> dict[str, float]:
+    ctx.progress("overlap: forward pass consuming a prefetch layer by layer")
+    return {OVERLAP.name: ctx.run_on_loop(_overlap(ctx))}
