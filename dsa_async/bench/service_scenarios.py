@@ -22,12 +22,12 @@ from .registry import BenchContext, Comparison, Target, register_scenario, regis
 
 OVERHEAD = register_target(Target(
     "scheduler.overhead_us_per_request", Comparison.AT_MOST, 20.0, "us",
-    "2,000 evictions of 1-4 pages given as token ranges at random in-page offsets, submitted "
+    "1,000 evictions of 1-4 pages given as token ranges at random in-page offsets, submitted "
     "then awaited together and released, through the full front door with a no-op engine; "
     "wall time / requests, median of rounds"))
 LATENCY = register_target(Target(
     "scheduler.single_request_latency_us", Comparison.AT_MOST, 100.0, "us",
-    "one such eviction submitted and awaited alone (no-op engine); median of 300"))
+    "one such eviction submitted and awaited alone (no-op engine); median of 200"))
 OVERLAP = register_target(Target(
     "overlap.exposed_fraction", Comparison.AT_MOST, 0.10, "",
     "a forward-pass thread runs torch matmuls per layer sized to 1.5x the layer's copy time and "
@@ -58,8 +58,8 @@ def _token_requests(count: int, seed: int) -> list[torch.Tensor]:
 
 
 async def _scheduler_figures(ctx: BenchContext) -> dict[str, float]:
-    service, _ = _service(ctx, 16 * 2048, NoopEngine, DEVICE_PAGES)
-    requests = _token_requests(2000, ctx.seed)
+    service, _ = _service(ctx, 4096, NoopEngine, DEVICE_PAGES)
+    requests = _token_requests(1000, ctx.seed)
     async with service:
         per_request = []
         for _ in range(max(ctx.pairs, 5)):
@@ -69,7 +69,7 @@ async def _scheduler_figures(ctx: BenchContext) -> dict[str, float]:
                 service.release((await transfer).host_pages)
             per_request.append((time.perf_counter() - started) / len(requests) * 1e6)
         single = []
-        for tokens in requests[:300]:
+        for tokens in requests[:200]:
             started = time.perf_counter()
             result = await service.evict(tokens)
             single.append((time.perf_counter() - started) * 1e6)
