@@ -13,7 +13,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from . import cli_bench, cli_plan
+from . import cli_bench, cli_plan, cli_serve
 from .errors import ConfigError, DsaAsyncError
 
 PROG = "dsa-async"
@@ -21,7 +21,7 @@ EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 
-_COMMANDS = (cli_plan, cli_bench)
+_COMMANDS = (cli_plan, cli_bench, cli_serve)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,243 @@
+"""Page-locking host arenas in place, exactly their bytes, and undoing it.
+
+The host pool allocates each arena as a plain ``uint8`` tensor of exactly the bytes its geometry
+needs (``pin_memory=True`` would round the allocation up to a power of two). This module
+page-locks those bytes where they lie with ``cudaHostRegister`` and unregisters them on close.
+
+Chunks and alignment. ``[ptr, ptr + nbytes)`` is registered exactly, as a series of chunks
+(1 GiB by default, so no single driver call pins an unbounded range). The first chunk starts at
+``ptr`` whatever its alignment and the last one ends at ``ptr + nbytes``; every boundary in
+between is a multiple of the host page size (4 KiB), so two chunks never share a page. A
+registration covers the whole pages it touches; a partial page at either end of the arena may
+therefore be shared with a neighbouring allocation. If that neighbour is itself registered, the
+driver refuses the chunk as already registered: the chunk is then retried without its partial
+end pages (those few bytes stay pageable; copies that touch them stay correct, the driver just
+stages them). A range that is page-locked by someone else altogether (a caller's
+``pin_memory()`` buffer) is left as it is and not unregistered by us.
+
+Error isolation. A failed CUDA runtime call also leaves its code as the calling thread's "last
+error", which PyTorch's next kernel-launch check on that thread would report as its own failure.
+Every register/unregister call therefore runs on a short-lived helper thread, whose error state
+dies with it; the result codes are checked explicitly.
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+
+from ..errors import HostBudgetExceeded
+
+log = logging.getLogger(__name__)
+
+HOST_PAGE_BYTES = 4096
+DEFAULT_CHUNK_BYTES = 1 << 30
+#: ``cudaHostRegisterPortable``: page-locked for every CUDA context, not only the current one.
+CUDA_HOST_REGISTER_PORTABLE = 1
+CUDA_SUCCESS = 0
+CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
+CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED = 713
+
+T = TypeVar("T")
+
+
+def _align_down(value: int, alignment: int) -> int:
+    return value - value % alignment
+
+
+def _align_up(value: int, alignment: int) -> int:
+    return _align_down(value + alignment - 1, alignment)
+
+
+def chunk_ranges(ptr: int, nbytes: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 page_bytes: int = HOST_PAGE_BYTES) -> list[tuple[int, int]]:
+    """``[start, end)`` pieces that cover ``[ptr, ptr + nbytes)`` exactly, in order.
+
+    Inner boundaries are multiples of ``page_bytes``; each piece is at most ``chunk_bytes``
+    long. Example: ``ptr=0x1040, nbytes=10,000, chunk_bytes=4096`` gives
+    ``[(0x1040, 0x2000), (0x2000, 0x3000), (0x3000, 0x3750)]``.
+    """
+    if chunk_bytes <= 0 or chunk_bytes % page_bytes:
+        raise ValueError(f"chunk_bytes={chunk_bytes} must be a positive multiple of {page_bytes}")
+    if nbytes < 0:
+        raise ValueError(f"nbytes={nbytes} must be >= 0")
+    end = ptr + nbytes
+    pieces = []
+    start = ptr
+    while start < end:
+        stop = min(end, _align_down(start + chunk_bytes, page_bytes))
+        pieces.append((start, stop))
+        start = stop
+    return pieces
+
+
+def memlock_limit_text() -> str:
+    """``RLIMIT_MEMLOCK`` as ``soft=..., hard=...`` (``unlimited`` spelled out)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+
+    def spell(value: int) -> str:
+        return "unlimited" if value == resource.RLIM_INFINITY else f"{value:,} B"
+
+    return f"RLIMIT_MEMLOCK soft={spell(soft)}, hard={spell(hard)}"
+
+
+def cuda_error_text(code: int) -> str:
+    try:
+        cudart = torch.cuda.cudart()
+        return f"{cudart.cudaGetErrorString(cudart.cudaError(code))} (cudaError {code})"
+    except Exception:  # noqa: BLE001 - the code alone still says what failed
+        return f"cudaError {code}"
+
+
+def run_isolated(device: torch.device, fn: Callable[[], T]) -> T:
+    """Run ``fn`` on a fresh thread bound to ``device``; return its result or raise its error.
+
+    The thread's CUDA "last error" dies with it, so a refused call cannot resurface later as
+    the failure of an unrelated kernel launch on the caller's thread.
+    """
+    box: dict[str, object] = {}
+
+    def body() -> None:
+        try:
+            torch.cuda.set_device(device)  # no stray context on device 0 for other ranks
+            box["result"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the calling thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=body, name="dsa-async-pinning", daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    return box["result"]  # type: ignore[return-value]
+
+
+def _register(start: int, stop: int, flags: int) -> int:
+    return int(torch.cuda.cudart().cudaHostRegister(start, stop - start, flags))
+
+
+def _unregister(start: int) -> int:
+    return int(torch.cuda.cudart().cudaHostUnregister(start))
+
+
+@dataclass(frozen=True)
+class Registration:
+    """One registered chunk: ``[start, stop)``, unregistered by its ``start``."""
+
+    start: int
+    stop: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.stop - self.start
+
+
+class HostPinning:
+    """Registrations made by one engine; ``pinned_bytes`` is exactly what it page-locked.
+
+    ``foreign_bytes``: bytes of the given ranges that were already page-locked by someone else
+    (left alone); ``pageable_edge_bytes``: partial end pages left pageable because a
+    neighbouring registration holds their page (see the module docstring).
+    """
+
+    def __init__(self, device: torch.device, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 flags: int = CUDA_HOST_REGISTER_PORTABLE) -> None:
+        self.device = device
+        self.chunk_bytes = chunk_bytes
+        self.flags = flags
+        self.registrations: list[Registration] = []
+        self.foreign_bytes = 0
+        self.pageable_edge_bytes = 0
+        self._lock = threading.Lock()
+
+    @property
+    def pinned_bytes(self) -> int:
+        with self._lock:
+            return sum(r.nbytes for r in self.registrations)
+
+    def register_tensor_storage(self, tensor: torch.Tensor, what: str) -> None:
+        """Page-lock the whole storage behind ``tensor`` (a CPU tensor), once."""
+        if tensor.device.type != "cpu":
+            raise ValueError(f"{what}: expected a host (CPU) tensor, got device {tensor.device}")
+        storage = tensor.untyped_storage()
+        self.register(storage.data_ptr(), storage.nbytes(), what)
+
+    def register(self, ptr: int, nbytes: int, what: str) -> None:
+        """Page-lock ``[ptr, ptr + nbytes)``. On failure, undoes this call's chunks and raises
+        ``HostBudgetExceeded`` naming the bytes and the memlock limit."""
+        with self._lock:
+            if any(r.start < ptr + nbytes and ptr < r.stop for r in self.registrations):
+                return  # already ours (two pools on one storage): register once
+        pieces = chunk_ranges(ptr, nbytes, self.chunk_bytes)
+        done, foreign, edges, failure = run_isolated(
+            self.device, lambda: self._register_pieces(ptr, ptr + nbytes, pieces))
+        with self._lock:
+            self.registrations.extend(done)
+            self.foreign_bytes += foreign
+            self.pageable_edge_bytes += edges
+        if foreign:
+            log.info("%s: %d B were already page-locked elsewhere; left as they are", what,
+                     foreign)
+        if failure is not None:
+            start, stop, code = failure
+            raise HostBudgetExceeded(
+                f"could not page-lock {what}: cudaHostRegister refused {stop - start:,} B at "
+                f"offset {start - ptr:,} of the arena's {nbytes:,} B with "
+                f"{cuda_error_text(code)}; nothing of this arena stays page-locked. "
+                f"{memlock_limit_text()}. Raise the locked-memory limit (ulimit -l, "
+                f"LimitMEMLOCK= for systemd, docker --ulimit memlock=-1) or make the host pool "
+                f"smaller"
+            )
+
+    def _register_pieces(self, lo: int, hi: int, pieces: list[tuple[int, int]]):
+        """Runs on the isolated thread. Returns (registrations, foreign, edges, failure)."""
+        done: list[Registration] = []
+        foreign = edges = 0
+        for start, stop in pieces:
+            code = _register(start, stop, self.flags)
+            if code == CUDA_SUCCESS:
+                done.append(Registration(start, stop))
+                continue
+            if code == CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED:
+                # A partial end page may be held by a neighbour's registration: retry whole
+                # inner pages only. Chunk boundaries inside the arena are page-aligned already.
+                inner_start = _align_up(start, HOST_PAGE_BYTES) if start == lo else start
+                inner_stop = _align_down(stop, HOST_PAGE_BYTES) if stop == hi else stop
+                if (inner_start, inner_stop) != (start, stop) and inner_start < inner_stop:
+                    if _register(inner_start, inner_stop, self.flags) == CUDA_SUCCESS:
+                        done.append(Registration(inner_start, inner_stop))
+                        edges += (stop - start) - (inner_stop - inner_start)
+                        continue
+                foreign += stop - start  # page-locked by its owner: leave it alone
+                continue
+            for reg in done:  # undo this call's chunks: all or nothing
+                _unregister(reg.start)
+            return [], 0, 0, (start, stop, code)
+        return done, foreign, edges, None
+
+    def unregister_all(self) -> list[str]:
+        """Unregister every chunk this object registered; returns problems (empty when clean)."""
+        with self._lock:
+            registrations, self.registrations = self.registrations, []
+        if not registrations:
+            return []
+
+        def undo() -> list[str]:
+            problems = []
+            for reg in registrations:
+                code = _unregister(reg.start)
+                if code != CUDA_SUCCESS:
+                    problems.append(f"cudaHostUnregister({reg.start:#x}, {reg.nbytes:,} B): "
+                                    f"{cuda_error_text(code)}")
+            return problems
+
+        problems = run_isolated(self.device, undo)
+        for problem in problems:
+            log.warning("unregistering host memory: %s", problem)
+        return problems

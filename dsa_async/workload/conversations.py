@@ -1,0 +1,210 @@
+"""What arrives and when: a seeded multi-turn arrival model, and replay of recorded traces.
+
+Both produce ``Conversation`` values in order of first arrival. A conversation is a shared
+system prompt (or none) plus turns; each turn appends ``prompt_tokens + output_tokens`` tokens.
+When a turn may start:
+
+* model (closed loop): ``think_s`` after the conversation's previous turn finished (the first
+  turn at the conversation's ``start_s``), as users answer a reply;
+* trace (open loop): at ``arrival_s`` seconds after the run started, or once the previous turn
+  of the same conversation finished if that is later.
+
+Trace format: JSON lines, one turn each, e.g.
+``{"arrival_s": 0.25, "conversation": "c17", "prompt_tokens": 120, "output_tokens": 40}``.
+Blank lines and lines starting with ``#`` are skipped; anything else that is not such an object
+is refused with an error naming the file and the line number.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import ConfigError
+
+TRACE_PREFIX = "trace:"
+MULTITURN = "multiturn"
+
+
+class TraceError(ConfigError):
+    """A trace file that cannot be replayed; the message names the file and the line."""
+
+
+@dataclass(frozen=True)
+class SystemPrompt:
+    """A prompt shared by many conversations: its tokens are cached once, in shared pages."""
+
+    prompt_id: str
+    tokens: int
+
+
+@dataclass(frozen=True)
+class Turn:
+    prompt_tokens: int
+    output_tokens: int
+    think_s: float = 0.0  #: model: wait after the previous turn of the conversation finished
+    arrival_s: float | None = None  #: trace: not before this many seconds after the start
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.output_tokens
+
+
+@dataclass(frozen=True)
+class Conversation:
+    conversation_id: str
+    start_s: float  #: first arrival, seconds after the run started
+    system_prompt: SystemPrompt | None
+    turns: tuple[Turn, ...]
+
+
+# --- the seeded model ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MultiTurnModel:
+    """Poisson arrivals of conversations over a few popular system prompts.
+
+    Sizes scale with ``context_tokens``, the most one conversation may hold on the device:
+    system prompts of 1/16 to 1/3 of it, prompts up to 1/6, outputs up to 1/8. Turns per
+    conversation: 1 + geometric (mean ``mean_turns``); think time: exponential (mean
+    ``mean_think_s``). System prompt popularity is Zipf-like, so a few are shared widely.
+    Everything comes from ``random.Random(seed)``: the same seed gives the same conversations,
+    whatever the run's timing.
+    """
+
+    seed: int
+    context_tokens: int
+    arrival_rate_per_s: float = 4.0
+    system_prompts: int = 4
+    mean_turns: float = 4.0
+    mean_think_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.context_tokens < 128:
+            raise ConfigError(f"context_tokens must be >= 128, got {self.context_tokens}")
+        if not (self.arrival_rate_per_s > 0 and math.isfinite(self.arrival_rate_per_s)):
+            raise ConfigError(f"arrival rate must be a positive number of conversations per "
+                              f"second, got {self.arrival_rate_per_s}")
+        if self.system_prompts < 1 or self.mean_turns < 1 or self.mean_think_s < 0:
+            raise ConfigError("system_prompts and mean_turns must be >= 1, mean_think_s >= 0")
+
+    def conversations(self) -> Iterator[Conversation]:
+        """An endless, deterministic stream of conversations in arrival order."""
+        rng = random.Random(self.seed)
+        ctx = self.context_tokens
+        prompts = tuple(
+            SystemPrompt(f"system-{i}", rng.randint(max(64, ctx // 16), max(64, ctx // 3)))
+            for i in range(self.system_prompts))
+        weights = [1.0 / (i + 1) for i in range(len(prompts))]
+        continue_p = 1.0 - 1.0 / self.mean_turns  # 1 + geometric turns with this mean
+        clock = 0.0
+        for number in range(1 << 62):
+            clock += rng.expovariate(self.arrival_rate_per_s)
+            prompt = rng.choices(prompts, weights)[0]
+            turns = []
+            while True:
+                think = 0.0
+                if turns and self.mean_think_s > 0:
+                    think = rng.expovariate(1.0 / self.mean_think_s)
+                turns.append(Turn(prompt_tokens=rng.randint(16, max(16, ctx // 6)),
+                                  output_tokens=rng.randint(16, max(16, ctx // 8)),
+                                  think_s=think))
+                if rng.random() >= continue_p:
+                    break
+            yield Conversation(f"conversation-{number}", clock, prompt, tuple(turns))
+
+
+# --- traces --------------------------------------------------------------------------------
+
+_FIELDS = {"arrival_s": (int, float), "conversation": (str, int), "prompt_tokens": (int,),
+           "output_tokens": (int,)}
+
+
+def _parse_line(text: str, where: str) -> tuple[float, str, int, int]:
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise TraceError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+    if not isinstance(record, dict):
+        raise TraceError(f"{where}: expected a JSON object with keys {sorted(_FIELDS)}, "
+                         f"got {type(record).__name__}")
+    missing = sorted(set(_FIELDS) - set(record))
+    unknown = sorted(set(record) - set(_FIELDS))
+    if missing or unknown:
+        parts = ([f"missing {missing}"] if missing else []) + ([f"unknown {unknown}"] if unknown else [])
+        raise TraceError(f"{where}: {' and '.join(parts)} keys; each line needs exactly "
+                         f"{sorted(_FIELDS)}")
+    for key, types in _FIELDS.items():
+        value = record[key]
+        if isinstance(value, bool) or not isinstance(value, types):
+            raise TraceError(f"{where}: {key} must be {' or '.join(t.__name__ for t in types)}, "
+                             f"got {value!r}")
+    arrival = float(record["arrival_s"])
+    if not (math.isfinite(arrival) and arrival >= 0):
+        raise TraceError(f"{where}: arrival_s must be a finite number >= 0, got {record['arrival_s']!r}")
+    if record["prompt_tokens"] < 1:
+        raise TraceError(f"{where}: prompt_tokens must be >= 1, got {record['prompt_tokens']}")
+    if record["output_tokens"] < 0:
+        raise TraceError(f"{where}: output_tokens must be >= 0, got {record['output_tokens']}")
+    return arrival, str(record["conversation"]), record["prompt_tokens"], record["output_tokens"]
+
+
+def parse_trace_lines(lines: Iterator[str] | list[str], name: str = "trace") -> tuple[Conversation, ...]:
+    """Parse trace lines into conversations, ordered by first arrival (ties: first in file).
+
+    Turns of one conversation keep their order by ``arrival_s`` (ties: file order). Raises
+    ``TraceError`` naming ``name`` and the 1-based line number of the first bad line.
+    """
+    turns: dict[str, list[tuple[float, int, Turn]]] = {}
+    for number, raw in enumerate(lines, start=1):
+        text = raw.strip()
+        if not text or text.startswith("#"):
+            continue
+        arrival, key, prompt, output = _parse_line(text, f"{name} line {number}")
+        turns.setdefault(key, []).append(
+            (arrival, number, Turn(prompt, output, arrival_s=arrival)))
+    if not turns:
+        raise TraceError(f"{name}: no turns (every line is blank or a comment)")
+    conversations = []
+    for key, rows in turns.items():
+        rows.sort(key=lambda r: (r[0], r[1]))
+        conversations.append((rows[0][0], rows[0][1], Conversation(
+            key, rows[0][0], None, tuple(r[2] for r in rows))))
+    conversations.sort(key=lambda c: (c[0], c[1]))
+    return tuple(c[2] for c in conversations)
+
+
+def parse_trace(path: str | Path) -> tuple[Conversation, ...]:
+    """Read and parse a trace file (see the module docstring). Blocking file read."""
+    path = Path(path)
+    try:
+        with path.open(encoding="utf-8") as handle:
+            return parse_trace_lines(handle, str(path))
+    except OSError as exc:
+        raise TraceError(f"cannot read trace {str(path)!r}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise TraceError(f"trace {str(path)!r} is not UTF-8 text: {exc.reason}") from None
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """``multiturn`` or ``trace:PATH``, as ``--workload`` spells it."""
+
+    trace_path: Path | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> WorkloadSpec:
+        if text == MULTITURN:
+            return cls()
+        if text.startswith(TRACE_PREFIX) and len(text) > len(TRACE_PREFIX):
+            return cls(Path(text[len(TRACE_PREFIX):]))
+        raise ConfigError(f"workload {text!r} is not known; use '{MULTITURN}' or "
+                          f"'{TRACE_PREFIX}PATH' (a JSON-lines trace)")
+
+    def __str__(self) -> str:
+        return MULTITURN if self.trace_path is None else f"{TRACE_PREFIX}{self.trace_path}"

@@ -1,0 +1,152 @@
+"""The end-of-run summary: a frozen record, its text form and its JSON form.
+
+Traffic, padding and prefetch timeliness are the service's own figures (its registry); pages
+prefetched, verified and mismatched are the workload's; ``leaked_pages`` compares the service's
+statistics after everything was released with the snapshot taken right after start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..plan import human_bytes
+from ..service import ServiceStatistics
+from .counters import WorkloadCounters
+from .readings import ServiceReadings
+
+
+@dataclass(frozen=True)
+class ServeSummary:
+    backend: str
+    workload: str
+    num_layers: int
+    device_pages: int
+    host_pool_pages: int
+    bytes_per_page: int
+    stop_reason: str
+    duration_s: float
+    requests_d2h: int
+    requests_h2d: int
+    bytes_d2h: int
+    bytes_h2d: int
+    gbps_d2h: float
+    gbps_h2d: float
+    padding_bytes: int
+    padding_overhead: float  #: padding bytes / all bytes moved
+    prefetch_layers_on_time: int
+    prefetch_layers_late: int
+    prefetch_layers_wasted: int
+    prefetched_pages: int
+    verified_pages: int
+    mismatches: int
+    leaked_pages: int
+    statistics_match: bool  #: service statistics at the end == the snapshot after start
+    device_pages_in_use: int  #: the workload's own page table at the end (0 when consistent)
+    turns: int
+    tokens_appended: int
+    conversations_started: int
+    conversations_finished: int
+    conversations_rejected: int
+    context_resets: int
+    evicted_pages: int
+    dropped_without_copy_pages: int
+    computed_pages: int
+    recomputed_pages: int
+    host_copies_lost: int
+    host_pages_reclaimed: int
+    failed_requests: int
+    cancelled_requests: int
+    errors: int
+    forward_pass_busy_s: float
+    forward_pass_waited_s: float
+    metrics_url: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        """Every prefetched page verified, none mismatched, nothing leaked."""
+        return (self.mismatches == 0 and self.leaked_pages == 0 and self.statistics_match
+                and self.prefetched_pages == self.verified_pages)
+
+    @classmethod
+    def build(cls, *, readings: ServiceReadings, counters: WorkloadCounters,
+              start: ServiceStatistics, end: ServiceStatistics | None, duration_s: float,
+              **fields) -> ServeSummary:
+        """``end``: the statistics after releasing everything (``None``: could not be taken,
+        counted as a mismatch)."""
+        moved = readings.bytes_d2h + readings.bytes_h2d
+        seconds = max(duration_s, 1e-9)
+        leaked = 0 if end is None else (end.used_pages - start.used_pages) + end.in_flight_pages
+        return cls(
+            duration_s=duration_s,
+            requests_d2h=readings.requests_d2h, requests_h2d=readings.requests_h2d,
+            bytes_d2h=readings.bytes_d2h, bytes_h2d=readings.bytes_h2d,
+            gbps_d2h=readings.bytes_d2h / seconds / 1e9, gbps_h2d=readings.bytes_h2d / seconds / 1e9,
+            padding_bytes=readings.padding_bytes,
+            padding_overhead=readings.padding_bytes / moved if moved else 0.0,
+            prefetch_layers_on_time=readings.prefetch_layers_on_time,
+            prefetch_layers_late=readings.prefetch_layers_late,
+            prefetch_layers_wasted=readings.prefetch_layers_wasted,
+            prefetched_pages=counters.prefetched_pages, verified_pages=counters.verified_pages,
+            mismatches=counters.mismatches, leaked_pages=leaked,
+            statistics_match=end is not None and end == start,
+            turns=counters.turns_finished, tokens_appended=counters.tokens_appended,
+            conversations_started=counters.conversations_started,
+            conversations_finished=counters.conversations_finished,
+            conversations_rejected=counters.conversations_rejected,
+            context_resets=counters.context_resets, evicted_pages=counters.evicted_pages,
+            dropped_without_copy_pages=counters.dropped_without_copy_pages,
+            computed_pages=counters.computed_pages, recomputed_pages=counters.recomputed_pages,
+            host_copies_lost=counters.host_copies_lost,
+            failed_requests=readings.failed_requests,
+            cancelled_requests=readings.cancelled_requests,
+            errors=counters.errors + readings.failed_requests + readings.transfer_errors,
+            **fields)
+
+    def as_dict(self) -> dict:
+        data = dataclasses.asdict(self)
+        data["ok"] = self.ok
+        return data
+
+    def write_json(self, path: str | Path) -> None:
+        """Write the summary as one JSON object (blocking file write)."""
+        Path(path).write_text(json.dumps(self.as_dict(), indent=2) + "\n", encoding="utf-8")
+
+    def as_text(self) -> str:
+        layers = self.prefetch_layers_on_time + self.prefetch_layers_late + self.prefetch_layers_wasted
+
+        def share(n: int) -> str:
+            return f"{n / layers:.1%}" if layers else "-"
+
+        lines = [
+            f"dsa-async serve summary ({self.stop_reason} after {self.duration_s:.1f} s; "
+            f"{self.backend}, {self.workload}, {self.num_layers} layers, "
+            f"{self.device_pages} device pages, {self.host_pool_pages} host pages of "
+            f"{human_bytes(self.bytes_per_page)})",
+            f"  d2h (evict):    {self.requests_d2h:>8,} requests  {human_bytes(self.bytes_d2h):>10}"
+            f"  {self.gbps_d2h:6.2f} GB/s",
+            f"  h2d (prefetch): {self.requests_h2d:>8,} requests  {human_bytes(self.bytes_h2d):>10}"
+            f"  {self.gbps_h2d:6.2f} GB/s",
+            f"  padding:        {human_bytes(self.padding_bytes)} "
+            f"({self.padding_overhead:.1%} of the bytes moved)",
+            f"  prefetch layers: on time {self.prefetch_layers_on_time:,} ({share(self.prefetch_layers_on_time)}), "
+            f"late {self.prefetch_layers_late:,} ({share(self.prefetch_layers_late)}), "
+            f"wasted {self.prefetch_layers_wasted:,} ({share(self.prefetch_layers_wasted)})",
+            f"  pages: prefetched {self.prefetched_pages:,}, verified {self.verified_pages:,}, "
+            f"MISMATCHES {self.mismatches}, leaked {self.leaked_pages}"
+            f"{'' if self.statistics_match else ' (service statistics differ from the start)'}",
+            f"  workload: {self.turns:,} turns, {self.tokens_appended:,} tokens, conversations "
+            f"{self.conversations_started:,} started / {self.conversations_finished:,} finished / "
+            f"{self.conversations_rejected:,} turned away, {self.context_resets} context resets",
+            f"  cache: evicted {self.evicted_pages:,} pages, dropped without a copy "
+            f"{self.dropped_without_copy_pages:,}, computed {self.computed_pages:,} "
+            f"(recomputed {self.recomputed_pages:,}), host copies lost to pressure "
+            f"{self.host_copies_lost:,} ({self.host_pages_reclaimed:,} pages reclaimed)",
+            f"  forward pass: busy {self.forward_pass_busy_s:.1f} s, waited for layers "
+            f"{self.forward_pass_waited_s:.2f} s; errors {self.errors} "
+            f"(failed requests {self.failed_requests}, cancelled {self.cancelled_requests})",
+            f"  verdict: {'OK' if self.ok else 'FAILED'}",
+        ]
+        return "\n".join(lines)

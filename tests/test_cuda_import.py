@@ -1,0 +1,203 @@
+"""The CUDA backend without a device: it imports, refuses cleanly, and its copy plan is exact.
+
+The copy code of the CUDA backend only issues torch ops on the current stream, so it runs on CPU
+tensors too; these tests check its segmenting, tiling, staging and index ops byte for byte.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+
+import numpy as np
+import pytest
+import torch
+
+from dsa_async.config import PoolSize, ServiceConfig
+from dsa_async.errors import ConfigError
+from dsa_async.geometry import HostLayout, dsa_indexer, mla_kv
+from dsa_async.host_pool import HostPool
+from dsa_async.kinds import Backend, Direction
+from dsa_async.service import OffloadService
+from dsa_async.transfer.base import resolve_backend
+from dsa_async.transfer.buffers import bind_pool
+from dsa_async.transfer.cuda_copy import DevicePlan, DeviceStaging, copy_pool, h2d_layer_group
+from dsa_async.transfer.handoff import LoopHandoff
+from dsa_async.transfer.pinning import chunk_ranges, memlock_limit_text
+
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-device path")
+
+
+def test_cuda_module_imports_without_a_device():
+    module = importlib.import_module("dsa_async.transfer.cuda")
+    assert module.CudaEngine.backend is Backend.CUDA
+
+
+@no_cuda
+def test_cuda_engine_without_a_device_raises_config_error_pointing_to_cpu():
+    from dsa_async.transfer.cuda import CudaEngine
+
+    loop = asyncio.new_event_loop()
+    try:
+        with pytest.raises(ConfigError, match="no|none") as info:
+            CudaEngine({}, LoopHandoff(loop), lambda handle: None)
+    finally:
+        loop.close()
+    message = str(info.value)
+    assert "CUDA device" in message and "backend 'cpu'" in message
+
+
+@no_cuda
+def test_auto_backend_resolves_to_cpu_without_a_device():
+    assert resolve_backend(Backend.AUTO) is Backend.CPU
+
+
+@no_cuda
+def test_service_with_cuda_backend_refuses_at_start_and_returns_everything(tmp_path):
+    geometry = dsa_indexer(num_layers=2)
+    buffers = [torch.zeros(4, geometry.bytes_per_page_per_layer, dtype=torch.uint8)
+               for _ in range(2)]
+    config = ServiceConfig(geometries=(geometry,), host_pool=PoolSize(pages=8), backend="cuda",
+                           ledger_directory=str(tmp_path / "ledger"))
+    service = OffloadService(config, buffers)
+
+    async def start():
+        await service.start()
+
+    with pytest.raises(ConfigError, match="backend 'cpu'"):
+        asyncio.run(start())
+
+
+# --- page-locking arithmetic ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ptr", [0x10000, 0x10040, 0x10FFF])
+@pytest.mark.parametrize("nbytes", [1, 4095, 4096, 3 * 8448 * 61 * 7, 5 << 20])
+def test_chunk_ranges_cover_exactly_with_page_aligned_inner_boundaries(ptr, nbytes):
+    chunk = 1 << 20
+    pieces = chunk_ranges(ptr, nbytes, chunk)
+    assert pieces[0][0] == ptr and pieces[-1][1] == ptr + nbytes
+    assert sum(stop - start for start, stop in pieces) == nbytes
+    for (_, stop), (start, _) in zip(pieces, pieces[1:]):
+        assert stop == start and stop % 4096 == 0
+    assert all(0 < stop - start <= chunk for start, stop in pieces)
+
+
+def test_chunk_ranges_refuse_a_chunk_that_is_not_whole_pages():
+    with pytest.raises(ValueError, match="multiple of 4096"):
+        chunk_ranges(0, 10, 1000)
+
+
+def test_memlock_limit_text_names_the_limit():
+    assert memlock_limit_text().startswith("RLIMIT_MEMLOCK soft=")
+
+
+# --- the copy code on CPU tensors --------------------------------------------------------------
+
+
+def _setup(layout, fused, layers, host_pages=40, device_pages=48, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    geometries = [dsa_indexer(num_layers=layers, host_layout=layout),
+                  mla_kv(num_layers=layers, host_layout=layout)]
+    pool = HostPool.create(geometries, host_pages)
+    bindings = {}
+    for g in geometries:
+        shape = (layers, device_pages, g.bytes_per_page_per_layer)
+        if fused:
+            device = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
+        else:  # separately allocated layers, viewed as another dtype (bytes are bytes)
+            device = [torch.randint(0, 256, shape[1:], dtype=torch.uint8, generator=gen)
+                      .view(torch.int16) for _ in range(layers)]
+        bindings[g.name] = bind_pool(g, pool.arenas[g.name], device)
+    assert all((b.device_fused is not None) == fused or layers == 1 for b in bindings.values())
+    return pool, bindings
+
+
+def _page_sets(kind, rng, n, host_pages, device_pages):
+    if kind == "contiguous":
+        return np.arange(3, 3 + n), np.arange(5, 5 + n)
+    if kind == "extents":  # host in two extents, device scattered
+        host = np.concatenate([np.arange(0, n // 2), np.arange(20, 20 + n - n // 2)])
+        return host, rng.permutation(device_pages)[:n]
+    if kind == "long_runs":  # device in two long runs inside one host segment
+        return np.arange(0, n), np.concatenate([np.arange(30, 30 + n // 2),
+                                                np.arange(0, n - n // 2)])
+    return rng.permutation(host_pages)[:n], rng.permutation(device_pages)[:n]
+
+
+def _run(bindings, host, dev, direction, capacity):
+    plan = DevicePlan.build(host.astype(np.int64), dev.astype(np.int64), torch.device("cpu"))
+    staging = DeviceStaging(torch.device("cpu"), capacity)
+    values = list(bindings.values())
+    if direction is Direction.D2H:
+        for b in values:
+            copy_pool(b, plan, direction, 0, b.geometry.num_layers, staging)
+        return
+    group = h2d_layer_group(values)
+    layers = max(b.geometry.num_layers for b in values)
+    for first in range(0, layers, group):
+        for b in values:
+            copy_pool(b, plan, direction, first, min(first + group, b.geometry.num_layers),
+                      staging)
+
+
+@pytest.mark.parametrize("layout", list(HostLayout))
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("layers", [1, 5])
+@pytest.mark.parametrize("kind", ["contiguous", "extents", "long_runs", "random"])
+@pytest.mark.parametrize("capacity", [64 << 20, 50_000])
+def test_cuda_copy_plan_round_trips_byte_exact(layout, fused, layers, kind, capacity):
+    rng = np.random.default_rng(layers * 7 + len(kind))
+    pool, bindings = _setup(layout, fused, layers)
+    n = 16
+    host, dev = _page_sets(kind, rng, n, 40, 48)
+    before = {name: [t.clone() for t in b.device_layers] for name, b in bindings.items()}
+    _run(bindings, host, dev, Direction.D2H, capacity)
+    for name, b in bindings.items():
+        for layer in range(layers):
+            assert torch.equal(b.host[layer][torch.as_tensor(host)],
+                               before[name][layer][torch.as_tensor(dev)])
+    targets = np.setdiff1d(np.arange(48), dev)[:n]  # other device pages
+    rng.shuffle(targets)
+    for b in bindings.values():
+        for t in b.device_layers:
+            t[torch.as_tensor(targets)] = 0
+    _run(bindings, host, targets, Direction.H2D, capacity)
+    for name, b in bindings.items():
+        for layer in range(layers):
+            got = b.device_layers[layer][torch.as_tensor(targets)]
+            assert torch.equal(got, before[name][layer][torch.as_tensor(dev)])
+            untouched = np.setdiff1d(np.arange(48), np.concatenate([dev, targets]))
+            assert torch.equal(b.device_layers[layer][torch.as_tensor(untouched)],
+                               before[name][layer][torch.as_tensor(untouched)])
+
+
+def test_device_plan_splits_host_segments_and_device_runs():
+    host = np.array([7, 8, 9, 10, 11, 40, 41], dtype=np.int64)
+    dev = np.array([3, 4, 5, 90, 91, 12, 13], dtype=np.int64)
+    plan = DevicePlan.build(host, dev, torch.device("cpu"))
+    assert [(s.pos, s.host_start, s.num_pages) for s in plan.segments] == [(0, 7, 5), (5, 40, 2)]
+    assert plan.segments[0].device_runs == ((0, 3, 3), (3, 90, 2))
+    assert plan.segments[1].device_start == 12 and plan.segments[0].device_start is None
+    assert plan.device_start is None and plan.device_index.tolist() == dev.tolist()
+    assert list(plan.host_pieces(0, 7)) == [(0, 7, 5), (5, 40, 2)]
+    assert list(plan.host_pieces(2, 6)) == [(0, 9, 3), (3, 40, 1)]
+    assert list(plan.host_pieces(6, 7)) == [(0, 41, 1)]
+
+
+def test_device_plan_knows_when_the_device_side_is_one_run():
+    plan = DevicePlan.build(np.arange(4, dtype=np.int64), np.arange(10, 14, dtype=np.int64),
+                            torch.device("cpu"))
+    assert plan.device_start == 10 and len(plan.segments) == 1
+
+
+def test_h2d_layer_group_widens_only_for_page_first_hosts():
+    assert h2d_layer_group([bind_pool(dsa_indexer(num_layers=61), *_arena_and_device(61))]) == 1
+    pf = dsa_indexer(num_layers=61, host_layout=HostLayout.PAGE_FIRST)
+    group = h2d_layer_group([bind_pool(pf, *_arena_and_device(61, page_first=True))])
+    assert group * pf.bytes_per_page_per_layer >= 256 * 1024 and group < 61
+
+
+def _arena_and_device(layers, page_first=False):
+    shape = (2, layers, 8448) if page_first else (layers, 2, 8448)
+    return torch.zeros(shape, dtype=torch.uint8), torch.zeros(layers, 2, 8448, dtype=torch.uint8)

@@ -1,0 +1,319 @@
+"""The serve workload's parts: device page table and LRU, page checksums, trace parsing, the
+seeded arrival model, host-copy reclaim, and the engine end to end on a small CPU service."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from dsa_async.config import PoolSize, ServiceConfig
+from dsa_async.host_pool import HostPages
+from dsa_async.service import OffloadService
+from dsa_async.workload.conversations import (Conversation, MultiTurnModel, TraceError, Turn,
+                                              WorkloadSpec, parse_trace, parse_trace_lines)
+from dsa_async.workload.device_cache import DeviceCache
+from dsa_async.workload.engine import EngineSettings, ServingEngine
+from dsa_async.workload.host_cache import HostCache
+from dsa_async.workload.pagedata import PagePatterns
+from dsa_async.workload.runner import allocate_device_buffers, pool_geometries
+from dsa_async.workload.segments import Segment, SegmentState, pages_spanned
+
+BOUND_S = 20  # generous: only proves nothing hangs
+
+
+# --- device page table and LRU ------------------------------------------------------------
+
+
+def test_device_pages_are_handed_out_lowest_first_and_come_back():
+    cache = DeviceCache(8)
+    first = cache.allocate(3)
+    second = cache.allocate(2)
+    assert first.tolist() == [0, 1, 2] and second.tolist() == [3, 4]
+    cache.free(first)
+    assert cache.free_pages == 6 and cache.used_pages == 2
+    assert cache.allocate(4).tolist() == [0, 1, 2, 5]
+
+
+def test_device_page_table_refuses_double_free_and_overdraw():
+    cache = DeviceCache(4)
+    pages = cache.allocate(2)
+    cache.free(pages)
+    with pytest.raises(RuntimeError, match="freed twice"):
+        cache.free(pages)
+    with pytest.raises(RuntimeError, match="5 pages asked, 4 free"):
+        cache.allocate(5)
+
+
+def test_lru_yields_least_recently_used_first_and_forgets_discarded():
+    cache = DeviceCache(4)
+    a, b, c = (Segment(k, 0, 64, 64) for k in "abc")
+    for s in (a, b, c):
+        cache.touch(s)
+    cache.touch(a)  # used again: now the most recent
+    cache.discard(b)  # pinned: not evictable
+    assert list(cache.evictable()) == [c, a]
+    assert b not in cache and a in cache
+
+
+# --- segments -----------------------------------------------------------------------------
+
+
+def test_segment_token_range_maps_onto_its_device_pages_with_both_ends_inside_pages():
+    seg = Segment("conversation", first_token=100, end_token=200, page_size=64)
+    assert seg.first_page == 1 and seg.num_pages == pages_spanned(100, 200, 64) == 3
+    tokens = seg.device_tokens(np.array([7, 3, 9]))
+    assert tokens.size == 100
+    assert tokens[0] == 7 * 64 + 100 % 64  # starts mid-page: padding in front
+    assert tokens[-1] == 9 * 64 + 199 % 64  # ends mid-page: padding behind
+    assert pages_spanned(64, 64, 64) == 0 and pages_spanned(0, 65, 64) == 2
+
+
+# --- page contents and checksums ----------------------------------------------------------
+
+
+def _patterns(layers=3, pages=10, seed=1):
+    buffers = allocate_device_buffers(pool_geometries(layers), pages, torch.device("cpu"))
+    return buffers, PagePatterns(buffers, seed=seed)
+
+
+def test_checksum_of_written_pages_matches_what_the_device_holds():
+    _, patterns = _patterns()
+    pages = np.array([1, 4, 5])
+    written = patterns.write_pages(pages, np.array([7, 8, 9], dtype=np.uint64))
+    assert np.array_equal(written, patterns.checksums(pages))
+    assert len(set(written.tolist())) == 3
+
+
+def test_one_flipped_byte_changes_only_that_pages_checksum():
+    buffers, patterns = _patterns()
+    pages = np.array([2, 6])
+    before = patterns.write_pages(pages, np.array([11, 12], dtype=np.uint64))
+    buffers["kv"][1, 6, 1234] ^= 1
+    after = patterns.checksums(pages)
+    assert after[0] == before[0] and after[1] != before[1]
+
+
+def test_swapped_layers_or_pages_change_the_checksum():
+    buffers, patterns = _patterns()
+    pages = np.array([0, 1])
+    before = patterns.write_pages(pages, np.array([5, 6], dtype=np.uint64))
+    assert np.array_equal(patterns.checksums(np.array([1, 0])), before[::-1])
+    layer0 = buffers["indexer"][0, 0].clone()
+    buffers["indexer"][0, 0] = buffers["indexer"][1, 0]
+    buffers["indexer"][1, 0] = layer0
+    assert patterns.checksums(pages)[0] != before[0]
+
+
+def test_same_seed_writes_the_same_bytes():
+    a_buffers, a = _patterns(seed=3)
+    b_buffers, b = _patterns(seed=3)
+    seeds = np.array([42], dtype=np.uint64)
+    assert np.array_equal(a.write_pages(np.array([2]), seeds), b.write_pages(np.array([2]), seeds))
+    assert torch.equal(a_buffers["kv"], b_buffers["kv"])
+
+
+# --- traces -------------------------------------------------------------------------------
+
+
+def _line(**fields):
+    record = {"arrival_s": 0.5, "conversation": "c1", "prompt_tokens": 10, "output_tokens": 5}
+    record.update(fields)
+    return json.dumps({k: v for k, v in record.items() if v is not ...})
+
+
+def test_trace_groups_turns_by_conversation_in_arrival_order():
+    lines = ["# recorded", "", _line(arrival_s=1.0, conversation=7, prompt_tokens=30),
+             _line(arrival_s=0.2, conversation="b"), _line(arrival_s=0.5, conversation=7)]
+    conversations = parse_trace_lines(lines)
+    assert [c.conversation_id for c in conversations] == ["b", "7"]
+    seven = conversations[1]
+    assert seven.start_s == 0.5
+    assert [(t.arrival_s, t.prompt_tokens) for t in seven.turns] == [(0.5, 10), (1.0, 30)]
+
+
+@pytest.mark.parametrize(("bad", "message"), [
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "expected a JSON object"),
+    (_line(output_tokens=...), "missing ['output_tokens']"),
+    (_line(extra=1), "unknown ['extra']"),
+    (_line(prompt_tokens="10"), "prompt_tokens must be int"),
+    (_line(prompt_tokens=True), "prompt_tokens must be int"),
+    (_line(prompt_tokens=0), "prompt_tokens must be >= 1"),
+    (_line(output_tokens=-1), "output_tokens must be >= 0"),
+    (_line(arrival_s=-0.1), "arrival_s must be a finite number >= 0"),
+    (_line(conversation=[1]), "conversation must be str or int"),
+])
+def test_a_bad_trace_line_is_refused_with_its_line_number(tmp_path, bad, message):
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(["# header", _line(), "", bad, _line()]) + "\n")
+    with pytest.raises(TraceError) as info:
+        parse_trace(path)
+    assert f"{path} line 4: " in str(info.value) and message in str(info.value)
+
+
+def test_missing_or_empty_trace_is_refused(tmp_path):
+    with pytest.raises(TraceError, match="cannot read trace"):
+        parse_trace(tmp_path / "absent.jsonl")
+    (tmp_path / "empty.jsonl").write_text("# nothing\n\n")
+    with pytest.raises(TraceError, match="no turns"):
+        parse_trace(tmp_path / "empty.jsonl")
+
+
+def test_workload_spec_spellings():
+    assert WorkloadSpec.parse("multiturn").trace_path is None
+    assert str(WorkloadSpec.parse("trace:/x/y.jsonl").trace_path) == "/x/y.jsonl"
+    for bad in ("trace:", "multi", ""):
+        with pytest.raises(ValueError, match="not known"):
+            WorkloadSpec.parse(bad)
+
+
+# --- the seeded arrival model ------------------------------------------------------------
+
+
+def _first(model: MultiTurnModel, n: int) -> list[Conversation]:
+    return list(itertools.islice(model.conversations(), n))
+
+
+def test_arrival_model_is_deterministic_for_a_seed():
+    a = _first(MultiTurnModel(seed=7, context_tokens=1024), 50)
+    b = _first(MultiTurnModel(seed=7, context_tokens=1024), 50)
+    c = _first(MultiTurnModel(seed=8, context_tokens=1024), 50)
+    assert a == b and a != c
+
+
+def test_arrival_model_shares_prompts_and_stays_within_bounds():
+    conversations = _first(MultiTurnModel(seed=1, context_tokens=1024, system_prompts=3), 200)
+    starts = [c.start_s for c in conversations]
+    assert starts == sorted(starts) and starts[0] > 0
+    prompts = {c.system_prompt for c in conversations}
+    assert len(prompts) == 3  # a few prompts, each shared by many conversations
+    assert all(64 <= p.tokens <= 1024 // 3 for p in prompts)
+    turns = [t for c in conversations for t in c.turns]
+    assert all(16 <= t.prompt_tokens <= 1024 // 6 and 16 <= t.output_tokens <= 1024 // 8
+               for t in turns)
+    assert 2.5 < len(turns) / len(conversations) < 5.5  # mean 4 turns
+    assert all(c.turns[0].think_s == 0 for c in conversations)
+
+
+# --- host copies under pressure ------------------------------------------------------------
+
+
+def _hosted(key: str, allocation_id: int, pages: int) -> Segment:
+    seg = Segment(key, 0, 64 * pages, 64, state=SegmentState.HOSTED)
+    seg.host = HostPages(np.arange(pages, dtype=np.int64), allocation_id, 64)
+    return seg
+
+
+def test_reclaim_releases_least_recently_used_unheld_copies_until_enough():
+    released: list[int] = []
+    cache = HostCache(lambda handle: released.append(handle.allocation_id))
+    a, b, c = _hosted("a", 1, 2), _hosted("b", 2, 3), _hosted("c", 3, 4)
+    for seg in (a, b, c):
+        cache.touch(seg)
+    cache.hold(a.host)  # a prefetch reads a: never released while it does
+
+    def detach(seg):
+        handle, seg.host = seg.host, None
+        return handle
+
+    assert cache.reclaim(3, detach) == 3
+    assert released == [2] and a.host is not None and c.host is not None
+    assert cache.reclaim(100, detach) == 4  # all that is free of holds
+    assert released == [2, 3] and cache.segments == 1
+
+
+def test_dropping_a_held_handle_waits_for_the_last_hold():
+    released: list[int] = []
+    cache = HostCache(lambda handle: released.append(handle.allocation_id))
+    handle = HostPages(np.arange(2, dtype=np.int64), 9, 64)
+    cache.hold(handle)
+    cache.hold(handle)
+    cache.drop(handle)
+    cache.unhold(handle)
+    assert released == [] and cache.pending_releases == 1
+    cache.unhold(handle)
+    assert released == [9] and cache.pending_releases == 0
+
+
+# --- the engine on a real (small, CPU) service --------------------------------------------
+
+
+class _CorruptingEngine(ServingEngine):
+    """Flips one byte of the first backup's host copy, as a bad copy path would."""
+
+    corrupted: Segment | None = None
+
+    def _eviction_done(self, segment, transfer, recorded):
+        super()._eviction_done(segment, transfer, recorded)
+        if self.corrupted is None and segment.host is not None:
+            self.corrupted = segment
+            arena = self.service.host_pool.arenas["kv"]
+            arena[0, int(segment.host.pages[-1]), 5] ^= 0xFF
+
+
+async def _run_engine(tmp_path, engine_cls=ServingEngine):
+    layers, device_pages = 2, 16
+    geometries = pool_geometries(layers)
+    buffers = allocate_device_buffers(geometries, device_pages, torch.device("cpu"))
+    config = ServiceConfig(geometries=geometries, host_pool=PoolSize(pages=32), backend="cpu",
+                           ledger_directory=str(tmp_path / "ledger"))
+    holder: list[ServingEngine] = []
+    service = OffloadService(config, buffers,
+                             on_host_pressure=lambda n: holder[0].on_host_pressure(n))
+    async with service, asyncio.timeout(BOUND_S):
+        start = service.statistics()
+        settings = EngineSettings.for_device(page_size_tokens=64, device_pages=device_pages,
+                                             num_layers=layers, compute_dim=8)
+        engine = engine_cls(service, PagePatterns(buffers, seed=0), settings)
+        holder.append(engine)
+        engine.start()
+        states = {}
+        for key in "ABCDE":  # 3 pages each: E fills the device, A (least recent) is evicted
+            states[key] = engine.open_conversation(Conversation(key, 0.0, None, ()))
+            await engine.run_turn(states[key], Turn(prompt_tokens=150, output_tokens=40))
+        await engine.run_turn(states["A"], Turn(prompt_tokens=10, output_tokens=5))
+        for state in states.values():
+            engine.close_conversation(state)
+        await engine.drain()
+        engine.release_everything()
+        end = service.statistics()
+    return engine, start, end
+
+
+async def test_engine_evicts_prefetches_and_verifies_every_page_without_leaks(tmp_path):
+    engine, start, end = await _run_engine(tmp_path)
+    c = engine.counters
+    assert c.evicted_pages >= 3 and c.prefetched_pages == 3
+    assert c.verified_pages == c.prefetched_pages and c.mismatches == 0 and c.errors == 0
+    assert c.turns_finished == 6 and c.conversations_finished == 5
+    assert engine.device.used_pages == 0 and engine.host.pending_releases == 0
+    assert end == start
+
+
+async def test_engine_detects_a_corrupted_host_copy(tmp_path):
+    engine, start, end = await _run_engine(tmp_path, _CorruptingEngine)
+    assert engine.corrupted is not None and engine.corrupted.key == "conversation:A"
+    assert engine.counters.verified_pages == 3 and engine.counters.mismatches == 1
+    assert end == start
+
+
+class _PressureAfterEachLoad(ServingEngine):
+    """The service runs short of host pages right after each load is done (its host copy is no
+    longer read), before the forward pass has checked the pages."""
+
+    def _prefetch_done(self, transfer, handle):
+        super()._prefetch_done(transfer, handle)
+        self.on_host_pressure(10**6)
+
+
+async def test_host_copy_released_after_its_load_still_checks_against_the_backup(tmp_path):
+    engine, start, end = await _run_engine(tmp_path, _PressureAfterEachLoad)
+    c = engine.counters
+    assert c.prefetched_pages == c.verified_pages == 3
+    assert c.mismatches == 0 and c.errors == 0
+    assert end == start
