@@ -396,7 +396,7 @@ class ServingEngine:
         if result.error is None:
             for (segment, _pages, expected), got in zip(context.loads, result.checked,
                                                         strict=True):
-                self._check_load(segment, got, segment.host_checksums if segment.host_checksums is not None else np.zeros_like(got))
+                self._check_load(segment, got, expected)
             for (segment, offsets), got in zip(context.writes, result.written, strict=True):
                 segment.checksums[offsets] = got
                 counters.computed_pages += got.size
