@@ -314,3 +314,16 @@ def test_token_baseline_moves_132_byte_rows_as_int32():
     rows = _token_rows(layer, 132)
     assert rows.dtype == torch.int32 and tuple(rows.shape) == (3 * 64, 33)
     assert np.shares_memory(rows.numpy(), layer.numpy())
+
+
+def test_table_warns_when_other_processes_shared_the_cpus():
+    from dsa_async.bench.report import load_warning
+
+    quiet = {"usable_cpus": 2, "load_average_1m_start": 0.1, "load_average_1m_end": 2.0}
+    busy = {"usable_cpus": 2, "load_average_1m_start": 3.5, "load_average_1m_end": 4.0}
+    assert load_warning(quiet) is None  # the bench's own threads at the end are expected
+    assert "3.5 -> 4" in load_warning(busy)
+    run = _run({})
+    run.machine.update(busy)
+    lines = format_table(run, TARGETS).splitlines()
+    assert any(line.startswith("note: 1-minute load") for line in lines)

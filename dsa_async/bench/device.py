@@ -90,6 +90,14 @@ def load_engine_class(backend: Backend) -> type:
     return CudaEngine
 
 
+def load_average_1m() -> float | None:
+    """The 1-minute load average (runnable threads, including the bench's own), if known."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
+
+
 def machine_info(device: BenchDevice) -> dict[str, object]:
     """Where the figures were measured."""
     try:
@@ -105,4 +113,5 @@ def machine_info(device: BenchDevice) -> dict[str, object]:
         "device_name": device.name(),
         "python": platform.python_version(),
         "platform": platform.platform(),
+        "load_average_1m_start": load_average_1m(),
     }

@@ -60,6 +60,18 @@ def figure_names(run: BenchRun, targets: Mapping[str, Target]) -> list[str]:
     return list(targets) + [name for name in run.results if name not in targets]
 
 
+def load_warning(machine: Mapping[str, Any]) -> str | None:
+    """A note when other work shared the CPUs: ratios then drift low (or high) by tens of %."""
+    cpus = machine.get("usable_cpus") or 1
+    loads = [machine.get(k) for k in ("load_average_1m_start", "load_average_1m_end")]
+    known = [x for x in loads if isinstance(x, (int, float))]
+    if not known or known[0] < 0.5 * cpus and max(known) <= 1.5 * cpus:
+        return None
+    return (f"note: 1-minute load average {' -> '.join(f'{x:g}' for x in known)} on {cpus} CPUs: "
+            f"other processes shared the machine, so these ratios are noisier than usual; "
+            f"rerun on an idle machine before trusting a miss")
+
+
 def format_table(run: BenchRun, targets: Mapping[str, Target]) -> str:
     rows = [("figure", "value", "target", "status", "")]
     for name in figure_names(run, targets):
@@ -83,6 +95,8 @@ def format_table(run: BenchRun, targets: Mapping[str, Target]) -> str:
          f"({m.get('device_name')}), {m.get('threads')} torch threads, {m.get('usable_cpus')} "
          f"CPUs, torch {m.get('torch_version')}; {run.elapsed_s:.1f} s"),
     ]
+    if (warning := load_warning(m)) is not None:
+        lines.append(warning)
     for scenario, message in run.errors.items():
         lines.append(f"FAILED {scenario}: {message}")
     lines.append("")

@@ -14,7 +14,7 @@ import uvloop
 
 from ..geometry import PageGeometry, dsa_indexer
 from ..kinds import Backend
-from .device import load_engine_class, machine_info, resolve_device
+from .device import load_average_1m, load_engine_class, machine_info, resolve_device
 from .measure import MIN_PAIRS
 from .registry import SCENARIOS, BenchContext, Scenario, scenario_name
 from .sweep import measure_throughput
@@ -96,6 +96,7 @@ async def run_bench(config: BenchConfig, scenarios: Sequence[Scenario] | None = 
     started = time.perf_counter()
     await asyncio.to_thread(_run_all, ctx, list(SCENARIOS if scenarios is None else scenarios), run)
     run.elapsed_s = time.perf_counter() - started
+    machine["load_average_1m_end"] = load_average_1m()
     return run
 
 
