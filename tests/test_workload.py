@@ -307,7 +307,7 @@ class _PressureBeforeTheCheck(ServingEngine):
     no longer read) and before the step's pages are checked."""
 
     def _on_step_done(self, step, result):
-        loading = [t for t in step.waits if not t.done()]
+        loading = [t for t in step.waits if t in self._prefetches]  # its done callback pending
         if loading:  # callbacks run in order: the engine's own bookkeeping of the load first
             loading[0].add_done_callback(lambda _t: self._on_step_done(step, result))
             return
