@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import itertools
 
 import numpy as np
 import pytest
@@ -21,7 +22,12 @@ from dsa_async.kinds import Backend, Direction
 from dsa_async.service import OffloadService
 from dsa_async.transfer.base import resolve_backend
 from dsa_async.transfer.buffers import bind_pool
-from dsa_async.transfer.cuda_copy import DevicePlan, DeviceStaging, copy_pool, h2d_layer_group
+from dsa_async.transfer.cuda_copy import (
+    DevicePlan,
+    DeviceStaging,
+    copy_pool,
+    h2d_layer_group,
+)
 from dsa_async.transfer.handoff import LoopHandoff
 from dsa_async.transfer.pinning import chunk_ranges, memlock_limit_text
 
@@ -78,7 +84,7 @@ def test_chunk_ranges_cover_exactly_with_page_aligned_inner_boundaries(ptr, nbyt
     pieces = chunk_ranges(ptr, nbytes, chunk)
     assert pieces[0][0] == ptr and pieces[-1][1] == ptr + nbytes
     assert sum(stop - start for start, stop in pieces) == nbytes
-    for (_, stop), (start, _) in zip(pieces, pieces[1:]):
+    for (_, stop), (start, _) in itertools.pairwise(pieces):
         assert stop == start and stop % 4096 == 0
     assert all(0 < stop - start <= chunk for start, stop in pieces)
 
@@ -141,14 +147,17 @@ def _run(bindings, host, dev, direction, capacity):
                       staging)
 
 
-@pytest.mark.parametrize("layout", list(HostLayout))
-@pytest.mark.parametrize("fused", [True, False])
-@pytest.mark.parametrize("layers", [1, 5])
-@pytest.mark.parametrize("kind", ["contiguous", "extents", "long_runs", "random"])
-@pytest.mark.parametrize("capacity", [64 << 20, 50_000])
+_CASES = [(layout, fused, layers, kind, 64 << 20)
+          for layout in HostLayout for fused in (True, False) for layers in (1, 5)
+          for kind in ("contiguous", "extents", "long_runs", "random")]
+_CASES += [(layout, fused, 5, kind, 150_000)  # several tiles per batch
+           for layout in HostLayout for fused in (True, False) for kind in ("extents", "random")]
+
+
+@pytest.mark.parametrize(("layout", "fused", "layers", "kind", "capacity"), _CASES)
 def test_cuda_copy_plan_round_trips_byte_exact(layout, fused, layers, kind, capacity):
     rng = np.random.default_rng(layers * 7 + len(kind))
-    pool, bindings = _setup(layout, fused, layers)
+    _pool, bindings = _setup(layout, fused, layers)
     n = 16
     host, dev = _page_sets(kind, rng, n, 40, 48)
     before = {name: [t.clone() for t in b.device_layers] for name, b in bindings.items()}

@@ -43,7 +43,13 @@ from ..kinds import Backend, Direction
 from .base import FaultHook, TransferEngine
 from .batch import BatchHandle, CopyBatch
 from .buffers import PoolBinding
-from .cuda_copy import DEFAULT_STAGING_BYTES, DevicePlan, DeviceStaging, copy_pool, h2d_layer_group
+from .cuda_copy import (
+    DEFAULT_STAGING_BYTES,
+    DevicePlan,
+    DeviceStaging,
+    copy_pool,
+    h2d_layer_group,
+)
 from .handoff import LoopHandoff
 from .pinning import DEFAULT_CHUNK_BYTES, HostPinning
 
@@ -65,7 +71,7 @@ def require_cuda() -> None:
 class _Progress:
     """CUDA-side state of one batch, attached to its handle."""
 
-    __slots__ = ("issued", "lock", "start", "end", "error", "recycled")
+    __slots__ = ("end", "error", "issued", "lock", "recycled", "start")
 
     def __init__(self) -> None:
         self.issued = threading.Event()  #: set once every copy (and the end event) is enqueued
@@ -77,7 +83,11 @@ class _Progress:
 
 
 class _EventPool:
-    """Events reused across batches; only completed events are put back."""
+    """Events reused across batches; only completed events are put back.
+
+    Events are created with blocking sync: the completion thread then sleeps in
+    ``synchronize()`` instead of spinning a CPU core for the whole copy.
+    """
 
     def __init__(self, enable_timing: bool) -> None:
         self.enable_timing = enable_timing
@@ -87,7 +97,7 @@ class _EventPool:
         try:
             return self._free.get_nowait()
         except queue.Empty:
-            return torch.cuda.Event(enable_timing=self.enable_timing)
+            return torch.cuda.Event(enable_timing=self.enable_timing, blocking=True)
 
     def give(self, event: torch.cuda.Event) -> None:
         self._free.put(event)
@@ -181,7 +191,9 @@ class CudaEngine(TransferEngine):
         return handle
 
     def capture_producer(self) -> torch.cuda.Event:
-        """An event on the caller's current stream: a backup starts after the work before it."""
+        """An event on the calling thread's current stream: a backup starts after the work
+        queued there before it. Work on other streams (e.g. a forward pass driven by another
+        thread) is not covered: such callers pass their own event as ``after``."""
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
         return event

@@ -209,11 +209,11 @@ class HostPinning:
                 # inner pages only. Chunk boundaries inside the arena are page-aligned already.
                 inner_start = _align_up(start, HOST_PAGE_BYTES) if start == lo else start
                 inner_stop = _align_down(stop, HOST_PAGE_BYTES) if stop == hi else stop
-                if (inner_start, inner_stop) != (start, stop) and inner_start < inner_stop:
-                    if _register(inner_start, inner_stop, self.flags) == CUDA_SUCCESS:
-                        done.append(Registration(inner_start, inner_stop))
-                        edges += (stop - start) - (inner_stop - inner_start)
-                        continue
+                trimmed = (inner_start, inner_stop) != (start, stop) and inner_start < inner_stop
+                if trimmed and _register(inner_start, inner_stop, self.flags) == CUDA_SUCCESS:
+                    done.append(Registration(inner_start, inner_stop))
+                    edges += (stop - start) - (inner_stop - inner_start)
+                    continue
                 foreign += stop - start  # page-locked by its owner: leave it alone
                 continue
             for reg in done:  # undo this call's chunks: all or nothing

@@ -152,7 +152,7 @@ def page_sets(kind: str, rng, n: int, host_pages: int, device_pages: int):
 def _round_trip(engine_cls, layers, layout, fused, kind, seed=0):
     host_pages, device_pages, n = 64, 96, 40
     rng = np.random.default_rng(seed)
-    pool, bindings = make_pools(layers, layout, fused, host_pages, device_pages, seed=seed)
+    _pool, bindings = make_pools(layers, layout, fused, host_pages, device_pages, seed=seed)
     host, src = page_sets(kind, rng, n, host_pages, device_pages)
     targets = rng.permutation(np.setdiff1d(np.arange(device_pages), src))[:n]
     expected = {name: device_pages_of(b, src) for name, b in bindings.items()}
@@ -193,7 +193,7 @@ def test_round_trip_is_byte_exact_when_staging_is_tiled(kind, layout, fused):
 
 def test_load_waits_for_the_backup_it_reads_on_the_gpu():
     """RAW on host pages: the load is queued right behind a slow backup, no CPU sync between."""
-    pool, bindings = make_pools(8, HostLayout.LAYER_FIRST, False, 64, 96, with_kv=False)
+    _pool, bindings = make_pools(8, HostLayout.LAYER_FIRST, False, 64, 96, with_kv=False)
     (binding,) = bindings.values()
     src, host, targets = np.arange(0, 32), np.arange(10, 42), np.arange(50, 82)
 
@@ -213,7 +213,7 @@ def test_load_waits_for_the_backup_it_reads_on_the_gpu():
 
 
 def test_backup_waits_for_the_producer_event():
-    pool, bindings = make_pools(4, HostLayout.LAYER_FIRST, True, 16, 32, with_kv=False)
+    _pool, bindings = make_pools(4, HostLayout.LAYER_FIRST, True, 16, 32, with_kv=False)
     (binding,) = bindings.values()
 
     async def main():
@@ -279,7 +279,8 @@ def test_layers_become_ready_in_order_and_copies_overlap_the_consumer():
 
     async def main():
         async with engine_for(bindings, TimedLayersEngine) as (engine, reports):
-            warm = await reports.done(h2d(engine, every, every))  # warm-up, and the copy time per layer
+            # Warm-up, and the copy time per layer.
+            warm = await reports.done(h2d(engine, every, every))
             assert warm.error is None, warm.error
             reps = _consumer_reps(warm.duration_s / layers, a, out)
             for layer in device:
@@ -360,7 +361,7 @@ class InjectedFault(RuntimeError):
 
 def test_fault_at_layer_k_reaches_every_waiter_and_the_next_batch_succeeds():
     layers, k = 61, 5
-    pool, bindings = make_pools(layers, HostLayout.LAYER_FIRST, False, 32, 48, seed=5)
+    _pool, bindings = make_pools(layers, HostLayout.LAYER_FIRST, False, 32, 48, seed=5)
     host, targets = np.arange(8, 24), np.arange(20, 36)
     faulty: set[int] = set()
 
@@ -418,7 +419,7 @@ def test_fault_at_layer_k_reaches_every_waiter_and_the_next_batch_succeeds():
 
 
 def test_failed_backup_fails_the_load_that_reads_it_and_the_engine_keeps_serving():
-    pool, bindings = make_pools(3, HostLayout.PAGE_FIRST, True, 16, 24, with_kv=False)
+    _pool, bindings = make_pools(3, HostLayout.PAGE_FIRST, True, 16, 24, with_kv=False)
     faulty: set[int] = set()
 
     def hook(batch, first_layer):
@@ -450,7 +451,7 @@ def test_failed_backup_fails_the_load_that_reads_it_and_the_engine_keeps_serving
 
 
 def test_close_drains_everything_submitted_before_it():
-    pool, bindings = make_pools(8, HostLayout.LAYER_FIRST, True, 64, 64, with_kv=False)
+    _pool, bindings = make_pools(8, HostLayout.LAYER_FIRST, True, 64, 64, with_kv=False)
     handles = []
 
     async def main():

@@ -98,7 +98,8 @@ def test_chunked_registration_covers_the_arena_with_page_aligned_inner_boundarie
     try:
         regs = engine._pinning.registrations
         assert len(regs) > 1 and sum(r.nbytes for r in regs) == arena.nbytes
-        assert regs[0].start == arena.data_ptr() and regs[-1].stop == arena.data_ptr() + arena.nbytes
+        end = arena.data_ptr() + arena.nbytes
+        assert regs[0].start == arena.data_ptr() and regs[-1].stop == end
         assert all(r.start % HOST_PAGE_BYTES == 0 for r in regs[1:])
     finally:
         engine.close()
