@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One pass over everything that needs a CUDA device: the gpu-marked tests, the bench, and a
 # direct throughput probe of the CUDA engine against plain page-locked copies. Bounded in time
-# (about eight minutes at most), runs the repository in place, and prints a compact report.
+# (eight minutes at most, usually far less), runs the repository in place, and prints a compact report.
 # The full log goes to ${OUT:-/tmp}/device_check.log.
 set -u -o pipefail
 
@@ -25,7 +25,7 @@ say "ulimit -l (locked memory): $(ulimit -l)"
 say "== gpu tests"
 # No asyncio plugin is needed by these tests; keep the run independent of the plugin's
 # ini options (strict config would reject them when the plugin is missing).
-timeout 270 python -m pytest -m gpu -q -rfEs -p no:cacheprovider -o addopts="" \
+timeout 240 python -m pytest -m gpu -q -rfEs -p no:cacheprovider -o addopts="" \
     -W "ignore::pytest.PytestConfigWarning" tests/gpu >"$OUT_DIR/gpu_tests.log" 2>&1
 tests_rc=$?
 cat "$OUT_DIR/gpu_tests.log" >>"$LOG"
@@ -33,7 +33,7 @@ grep -E '^(FAILED|ERROR)|passed|failed|error|skipped' "$OUT_DIR/gpu_tests.log" |
 say "gpu tests exit code: $tests_rc"
 
 say "== engine probe (device-timed, GB/s = 1e9 B/s)"
-timeout 120 python - <<'PY' 2>&1 | tee -a "$LOG"
+timeout 90 python - <<'PY' 2>&1 | tee -a "$LOG"
 import asyncio, time
 import numpy as np
 import torch
@@ -133,7 +133,7 @@ probe_rc=$?
 say "engine probe exit code: $probe_rc"
 
 say "== bench (--backend cuda --quick)"
-timeout 180 python -m dsa_async bench --backend cuda --quick --json "$OUT_DIR/bench.json" \
+timeout 150 python -m dsa_async bench --backend cuda --quick --json "$OUT_DIR/bench.json" \
     >"$OUT_DIR/bench.log" 2>&1
 bench_rc=$?
 cat "$OUT_DIR/bench.log" >>"$LOG"
