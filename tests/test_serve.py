@@ -1,4 +1,5 @@
-"""``dsa-async serve`` as users run it: a real process, real signals, the JSON summary.
+"""``dsa-async serve`` as users run it: a real process, real signals, the JSON summary; the
+trace replay runs the same coroutine in this process.
 
 Each run is small (4 layers, a few dozen device pages) so it takes a few seconds, most of it
 importing torch. Waits are bounded by deadlines; nothing sleeps to wait for the process.

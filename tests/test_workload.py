@@ -14,8 +14,15 @@ import torch
 from dsa_async.config import PoolSize, ServiceConfig
 from dsa_async.host_pool import HostPages
 from dsa_async.service import OffloadService
-from dsa_async.workload.conversations import (Conversation, MultiTurnModel, TraceError, Turn,
-                                              WorkloadSpec, parse_trace, parse_trace_lines)
+from dsa_async.workload.conversations import (
+    Conversation,
+    MultiTurnModel,
+    TraceError,
+    Turn,
+    WorkloadSpec,
+    parse_trace,
+    parse_trace_lines,
+)
 from dsa_async.workload.device_cache import DeviceCache
 from dsa_async.workload.engine import EngineSettings, ServingEngine
 from dsa_async.workload.host_cache import HostCache
@@ -150,7 +157,7 @@ def test_trace_groups_turns_by_conversation_in_arrival_order():
 ])
 def test_a_bad_trace_line_is_refused_with_its_line_number(tmp_path, bad, message):
     path = tmp_path / "t.jsonl"
-    path.write_text("\n".join(["# header", _line(), "", bad, _line()]) + "\n")
+    path.write_text(f"# header\n{_line()}\n\n{bad}\n{_line()}\n")
     with pytest.raises(TraceError) as info:
         parse_trace(path)
     assert f"{path} line 4: " in str(info.value) and message in str(info.value)

@@ -33,7 +33,7 @@ from ..errors import DsaAsyncError
 from ..host_pool import HostPages
 from ..request import Transfer
 from ..service import OffloadService
-from .consumer import ForwardPass, Step, StepResult, WriteJob
+from .consumer import ForwardPass, ForwardPassStats, Step, StepResult, WriteJob
 from .conversations import Conversation, Turn
 from .counters import WorkloadCounters
 from .device_cache import DeviceCache
@@ -144,7 +144,7 @@ class ServingEngine:
         return self._admit_task
 
     @property
-    def forward_stats(self):
+    def forward_stats(self) -> ForwardPassStats:
         return self._forward.stats
 
     @property
@@ -296,7 +296,7 @@ class ServingEngine:
     def _launch(self, pending: _Pending, new_end: int) -> None:
         """Allocate, prefetch and hand the step to the forward pass. Synchronous: nothing can
         change between the page count check and here."""
-        state, turn = pending.conversation, pending.turn
+        state = pending.conversation
         segments = tuple(s for s in (state.prompt, state.own) if s is not None)
         context = _StepContext(state, segments, future=pending.future)
         waits: list[Transfer] = []

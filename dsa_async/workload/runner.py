@@ -15,7 +15,7 @@ import logging
 import os
 import signal
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
@@ -24,7 +24,14 @@ import torch
 from ..config import PoolSize, ServiceConfig
 from ..errors import ConfigError
 from ..exposition import MetricsServer, start_metrics_server
-from ..geometry import DEEPSEEK_V32_LAYERS, KvDtype, PageGeometry, dsa_indexer, mla_kv
+from ..geometry import (
+    DEEPSEEK_V32_LAYERS,
+    DSA_PAGE_SIZE_TOKENS,
+    KvDtype,
+    PageGeometry,
+    dsa_indexer,
+    mla_kv,
+)
 from ..kinds import Backend
 from ..service import OffloadService
 from ..transfer.base import resolve_backend
@@ -54,7 +61,7 @@ class ServeOptions:
     host_pool_bytes: int | None = None  #: None: auto
     num_layers: int = DEEPSEEK_V32_LAYERS
     device_pages: int = DEFAULT_DEVICE_PAGES
-    workload: WorkloadSpec = WorkloadSpec()
+    workload: WorkloadSpec = field(default_factory=WorkloadSpec)
     seed: int = 0
     json_summary: Path | None = None
     quiet: bool = False
@@ -91,8 +98,11 @@ async def serve(options: ServeOptions, *, stdout: TextIO = sys.stdout) -> ServeS
     if backend is Backend.CUDA and not torch.cuda.is_available():
         raise ConfigError("--backend cuda needs a CUDA device and a CUDA build of torch; "
                           "none is available here: use --backend cpu (or auto)")
+    if options.json_summary is not None and not Path(options.json_summary).parent.is_dir():
+        raise ConfigError(f"--json-summary {str(options.json_summary)!r}: its directory does not "
+                          f"exist")
     settings = EngineSettings.for_device(
-        page_size_tokens=pool_geometries(1)[0].page_size_tokens,
+        page_size_tokens=DSA_PAGE_SIZE_TOKENS,
         device_pages=options.device_pages, num_layers=options.num_layers,
         max_conversations=options.max_conversations, compute_dim=options.compute_dim,
         seed=options.seed)
@@ -133,9 +143,7 @@ async def serve(options: ServeOptions, *, stdout: TextIO = sys.stdout) -> ServeS
         try:
             baseline = service.statistics()
             if options.metrics_port is not None:
-                metrics_server = await asyncio.to_thread(
-                    start_metrics_server, service.registry, options.metrics_host,
-                    options.metrics_port)
+                metrics_server = await _start_metrics(service, options)
                 log.info("metrics at %s", metrics_server.url)
             patterns = PagePatterns(buffers, seed=options.seed)
             engine = ServingEngine(service, patterns, settings, counters)
@@ -189,6 +197,16 @@ async def serve(options: ServeOptions, *, stdout: TextIO = sys.stdout) -> ServeS
     if options.json_summary is not None:
         await asyncio.to_thread(summary.write_json, options.json_summary)
     return summary
+
+
+async def _start_metrics(service: OffloadService, options: ServeOptions) -> MetricsServer:
+    try:
+        return await asyncio.to_thread(start_metrics_server, service.registry,
+                                       options.metrics_host, options.metrics_port)
+    except OSError as exc:
+        raise ConfigError(f"cannot serve metrics on {options.metrics_host}:{options.metrics_port}: "
+                          f"{exc.strerror or exc}; pick another --metrics-port (0: any free one) "
+                          f"or --metrics-host") from None
 
 
 async def _run_until_stopped(driver: ArrivalDriver, engine: ServingEngine, stop: asyncio.Event,

@@ -118,35 +118,35 @@ class ServeSummary:
         layers = self.prefetch_layers_on_time + self.prefetch_layers_late + self.prefetch_layers_wasted
 
         def share(n: int) -> str:
-            return f"{n / layers:.1%}" if layers else "-"
+            return f"{n:,} ({n / layers:.1%})" if layers else f"{n:,}"
 
+        def traffic(what: str, requests: int, nbytes: int, gbps: float) -> str:
+            return f"  {what:<15} {requests:>8,} requests  {human_bytes(nbytes):>10}  {gbps:6.2f} GB/s"
+
+        differ = "" if self.statistics_match else " (service statistics differ from the start)"
         lines = [
-            f"dsa-async serve summary ({self.stop_reason} after {self.duration_s:.1f} s; "
-            f"{self.backend}, {self.workload}, {self.num_layers} layers, "
-            f"{self.device_pages} device pages, {self.host_pool_pages} host pages of "
-            f"{human_bytes(self.bytes_per_page)})",
-            f"  d2h (evict):    {self.requests_d2h:>8,} requests  {human_bytes(self.bytes_d2h):>10}"
-            f"  {self.gbps_d2h:6.2f} GB/s",
-            f"  h2d (prefetch): {self.requests_h2d:>8,} requests  {human_bytes(self.bytes_h2d):>10}"
-            f"  {self.gbps_h2d:6.2f} GB/s",
-            f"  padding:        {human_bytes(self.padding_bytes)} "
-            f"({self.padding_overhead:.1%} of the bytes moved)",
-            f"  prefetch layers: on time {self.prefetch_layers_on_time:,} ({share(self.prefetch_layers_on_time)}), "
-            f"late {self.prefetch_layers_late:,} ({share(self.prefetch_layers_late)}), "
-            f"wasted {self.prefetch_layers_wasted:,} ({share(self.prefetch_layers_wasted)})",
-            f"  pages: prefetched {self.prefetched_pages:,}, verified {self.verified_pages:,}, "
-            f"MISMATCHES {self.mismatches}, leaked {self.leaked_pages}"
-            f"{'' if self.statistics_match else ' (service statistics differ from the start)'}",
-            f"  workload: {self.turns:,} turns, {self.tokens_appended:,} tokens, conversations "
-            f"{self.conversations_started:,} started / {self.conversations_finished:,} finished / "
-            f"{self.conversations_rejected:,} turned away, {self.context_resets} context resets",
-            f"  cache: evicted {self.evicted_pages:,} pages, dropped without a copy "
-            f"{self.dropped_without_copy_pages:,}, computed {self.computed_pages:,} "
-            f"(recomputed {self.recomputed_pages:,}), host copies lost to pressure "
-            f"{self.host_copies_lost:,} ({self.host_pages_reclaimed:,} pages reclaimed)",
-            f"  forward pass: busy {self.forward_pass_busy_s:.1f} s, waited for layers "
-            f"{self.forward_pass_waited_s:.2f} s; errors {self.errors} "
-            f"(failed requests {self.failed_requests}, cancelled {self.cancelled_requests})",
+            (f"dsa-async serve summary ({self.stop_reason} after {self.duration_s:.1f} s; "
+             f"{self.backend}, {self.workload}, {self.num_layers} layers, {self.device_pages} "
+             f"device pages, {self.host_pool_pages} host pages of {human_bytes(self.bytes_per_page)})"),
+            traffic("d2h (evict):", self.requests_d2h, self.bytes_d2h, self.gbps_d2h),
+            traffic("h2d (prefetch):", self.requests_h2d, self.bytes_h2d, self.gbps_h2d),
+            (f"  padding:        {human_bytes(self.padding_bytes)} "
+             f"({self.padding_overhead:.1%} of the bytes moved)"),
+            (f"  prefetch layers: on time {share(self.prefetch_layers_on_time)}, "
+             f"late {share(self.prefetch_layers_late)}, "
+             f"wasted {share(self.prefetch_layers_wasted)}"),
+            (f"  pages: prefetched {self.prefetched_pages:,}, verified {self.verified_pages:,}, "
+             f"MISMATCHES {self.mismatches}, leaked {self.leaked_pages}{differ}"),
+            (f"  workload: {self.turns:,} turns, {self.tokens_appended:,} tokens, conversations "
+             f"{self.conversations_started:,} started / {self.conversations_finished:,} finished / "
+             f"{self.conversations_rejected:,} turned away, {self.context_resets} context resets"),
+            (f"  cache: evicted {self.evicted_pages:,} pages, dropped without a copy "
+             f"{self.dropped_without_copy_pages:,}, computed {self.computed_pages:,} "
+             f"(recomputed {self.recomputed_pages:,}), host copies lost to pressure "
+             f"{self.host_copies_lost:,} ({self.host_pages_reclaimed:,} pages reclaimed)"),
+            (f"  forward pass: busy {self.forward_pass_busy_s:.1f} s, waited for layers "
+             f"{self.forward_pass_waited_s:.2f} s; errors {self.errors} "
+             f"(failed requests {self.failed_requests}, cancelled {self.cancelled_requests})"),
             f"  verdict: {'OK' if self.ok else 'FAILED'}",
         ]
         return "\n".join(lines)
