@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One pass over everything that needs a CUDA device: the gpu-marked tests, the bench, and a
 # direct throughput probe of the CUDA engine against plain page-locked copies. Bounded in time
-# (eight minutes at most, usually far less), runs the repository in place, and prints a compact report.
+# (eight minutes at most, usually far less), runs the repository in place, and prints a
+# compact report.
 # The full log goes to ${OUT:-/tmp}/device_check.log.
 set -u -o pipefail
 
