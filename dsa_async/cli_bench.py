@@ -22,8 +22,8 @@ EXIT_USAGE = 2
 
 #: Interleaved pairs per figure (odd, so the median is one pair's ratio). More pairs make the
 #: median robust to other load on a shared machine; --quick keeps well above the minimum of 5.
-QUICK_PAIRS = 11
-FULL_PAIRS = 31
+QUICK_PAIRS = 15
+FULL_PAIRS = 41
 QUICK_SWEEP_PAGES = (4, 16, 64, 256)
 FULL_SWEEP_PAGES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 

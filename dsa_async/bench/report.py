@@ -40,7 +40,9 @@ def _number(value: float | None, unit: str) -> str:
         return "-"
     if unit == "s":
         return f"{value * 1e3:.1f} ms"
-    return f"{value:.3f}"
+    if unit in ("", "x"):
+        return f"{value:.3f}"
+    return f"{value:.1f} {unit}"
 
 
 def _target_text(target: Target | None) -> str:
