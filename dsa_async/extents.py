@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import bisect
 
-import numpy as np
-
 
 class ExtentAllocator:
     """Hands out page runs ``(start, length)`` from ``capacity_pages`` pages."""
@@ -88,14 +86,3 @@ class ExtentAllocator:
         else:
             self._starts.insert(i, start)
             self._lengths[start] = num_pages
-
-    def free_pages_array(self, pages: np.ndarray) -> None:
-        """Return arbitrary pages (``int64 [n]``, distinct), coalesced into runs first."""
-        if pages.size == 0:
-            return
-        ordered = np.sort(pages)
-        breaks = np.flatnonzero(np.diff(ordered) != 1) + 1
-        starts = np.concatenate(([0], breaks))
-        ends = np.concatenate((breaks, [ordered.size]))
-        for s, e in zip(starts.tolist(), ends.tolist()):
-            self.free(int(ordered[s]), e - s)

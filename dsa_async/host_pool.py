@@ -46,10 +46,12 @@ class HostPages:
     Valid until released; the pool refuses a released or foreign handle.
     """
 
-    __slots__ = ("pages", "allocation_id", "page_size_tokens")
+    __slots__ = ("pages", "runs", "allocation_id", "page_size_tokens")
 
-    def __init__(self, pages: np.ndarray, allocation_id: int, page_size_tokens: int) -> None:
+    def __init__(self, pages: np.ndarray, runs: tuple[tuple[int, int], ...], allocation_id: int,
+                 page_size_tokens: int) -> None:
         self.pages = pages
+        self.runs = runs  #: ``(start, num_pages)`` extents, in page order
         self.allocation_id = allocation_id
         self.page_size_tokens = page_size_tokens
 
@@ -80,7 +82,6 @@ class HostPool:
         self._extents = ExtentAllocator(capacity_pages)
         self._owner = np.zeros(capacity_pages, dtype=np.int64)
         self._in_flight = np.zeros(capacity_pages, dtype=np.int32)
-        self._in_flight_pages = 0
         self._ids = itertools.count(1)
 
     @classmethod
@@ -119,10 +120,14 @@ class HostPool:
         runs = self._extents.allocate(num_pages)
         if runs is None:
             return None
-        pages = np.concatenate([np.arange(s, s + n, dtype=np.int64) for s, n in runs])
-        allocation_id = next(self._ids)
-        self._owner[pages] = allocation_id
-        return HostPages(pages, allocation_id, self.page_size_tokens)
+        if len(runs) == 1:
+            start, n = runs[0]
+            pages = np.arange(start, start + n, dtype=np.int64)
+            self._owner[start:start + n] = allocation_id = next(self._ids)
+        else:
+            pages = np.concatenate([np.arange(s, s + n, dtype=np.int64) for s, n in runs])
+            self._owner[pages] = allocation_id = next(self._ids)
+        return HostPages(pages, tuple(runs), allocation_id, self.page_size_tokens)
 
     def check_owned(self, handle: HostPages) -> None:
         """Raise ``UnknownHostPagesError`` unless every page of ``handle`` is still held by it."""
@@ -159,29 +164,24 @@ class HostPool:
                 f"that uses them before release()"
             )
         self._owner[handle.pages] = 0
-        self._extents.free_pages_array(handle.pages)
+        for start, n in handle.runs:
+            self._extents.free(start, n)
 
     # --- in-flight state --------------------------------------------------------------------
 
     def begin_copy(self, pages: np.ndarray) -> None:
-        """Mark ``pages`` as used by one more copy (they cannot be released until end_copy)."""
-        self._bump(pages, 1)
+        """Mark ``pages`` (distinct) as used by one more copy; they cannot be released until
+        :meth:`end_copy`."""
+        self._in_flight[pages] += 1
 
     def end_copy(self, pages: np.ndarray) -> None:
-        """The copy that began on ``pages`` completed (or never started)."""
-        self._bump(pages, -1)
+        """The copy that began on ``pages`` completed (or never started). Pages may repeat
+        (one batch of several requests), each repeat ending one copy."""
+        np.subtract.at(self._in_flight, pages, 1)
         assert (self._in_flight[pages] >= 0).all(), "end_copy without begin_copy"
 
     def any_in_flight(self, pages: np.ndarray) -> bool:
         return bool((self._in_flight[pages] > 0).any())
-
-    def _bump(self, pages: np.ndarray, delta: int) -> None:
-        before = self._in_flight[pages]
-        # Pages are distinct within one copy, so plain fancy-index assignment is exact.
-        self._in_flight[pages] = before + delta
-        self._in_flight_pages += int(np.count_nonzero(before + delta)) - int(
-            np.count_nonzero(before)
-        )
 
     def statistics(self) -> HostPoolStatistics:
         free = self._extents.free_pages
@@ -190,5 +190,5 @@ class HostPool:
             used_pages=self.capacity_pages - free,
             free_pages=free,
             largest_free_extent_pages=self._extents.largest_free_extent_pages,
-            in_flight_pages=self._in_flight_pages,
+            in_flight_pages=int(np.count_nonzero(self._in_flight)),
         )

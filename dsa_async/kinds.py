@@ -9,14 +9,21 @@ from __future__ import annotations
 import enum
 
 
-class Direction(enum.Enum):
+class _FastEnum(enum.Enum):
+    """Members hash by identity: they are singletons, and the hot path keys dicts by them
+    (``Enum.__hash__`` hashes the member name on every lookup)."""
+
+    __hash__ = object.__hash__
+
+
+class Direction(_FastEnum):
     """Which way a copy moves bytes."""
 
     D2H = "d2h"  #: device to host: backing pages up (eviction)
     H2D = "h2d"  #: host to device: loading pages back (prefetch)
 
 
-class Outcome(enum.Enum):
+class Outcome(_FastEnum):
     """How an accepted request ended. Every accepted request ends in exactly one of these."""
 
     DONE = "done"
@@ -24,7 +31,7 @@ class Outcome(enum.Enum):
     CANCELLED = "cancelled"
 
 
-class Timeliness(enum.Enum):
+class Timeliness(_FastEnum):
     """Whether a prefetched layer was ready before its consumer asked for it."""
 
     ON_TIME = "on_time"
@@ -32,7 +39,7 @@ class Timeliness(enum.Enum):
     WASTED = "wasted"
 
 
-class PoolState(enum.Enum):
+class PoolState(_FastEnum):
     """Host pool byte states exported as a gauge."""
 
     USED = "used"
@@ -40,7 +47,7 @@ class PoolState(enum.Enum):
     IN_FLIGHT = "in_flight"
 
 
-class BudgetKind(enum.Enum):
+class BudgetKind(_FastEnum):
     """Budget figures exported as a gauge, read from the probe at scrape time."""
 
     LIMIT = "limit"
@@ -48,7 +55,7 @@ class BudgetKind(enum.Enum):
     AVAILABLE = "available"
 
 
-class Backend(enum.Enum):
+class Backend(_FastEnum):
     """Transfer backend. ``AUTO`` resolves once, at construction, to CUDA when available."""
 
     AUTO = "auto"

@@ -341,6 +341,18 @@ class ServiceMetrics:
         self._request_latency[direction].observe(latency_s)
         self._padding_bytes[direction].inc(padding_bytes)
 
+    def record_requests(self, direction: Direction, outcome: Outcome, latencies_s: list[float],
+                        padding_bytes: int) -> None:
+        """:meth:`record_request` for a batch of requests that ended alike. Non-blocking."""
+        _non_negative("padding_bytes", padding_bytes)
+        if not isinstance(outcome, Outcome):
+            raise ConfigError(f"outcome={outcome!r} is not an Outcome member")
+        _pick(self._requests, (direction, outcome), "(direction, outcome)").inc(len(latencies_s))
+        histogram = self._request_latency[direction]
+        for latency_s in latencies_s:
+            histogram.observe(latency_s)
+        self._padding_bytes[direction].inc(padding_bytes)
+
     def set_queue_depth(self, direction: Direction, requests: int) -> None:
         """Set how many requests of ``direction`` are accepted and not yet ended. Non-blocking."""
         _non_negative("requests", requests)

@@ -76,12 +76,11 @@ def as_index_array(value: IndexLike, *, name: str, upper_bound: int | None = Non
         )
     array = array.astype(np.int64, copy=False)
     if array.size:
-        low = int(array.min())
+        low, high = _bounds(array)
         if low < 0:
             at = int(np.argmax(array < 0))
             raise IndexValueError(f"{name}[{at}] = {int(array[at])} is negative; indices start at 0")
         if upper_bound is not None:
-            high = int(array.max())
             if high >= upper_bound:
                 at = int(np.argmax(array >= upper_bound))
                 raise IndexValueError(
@@ -91,12 +90,28 @@ def as_index_array(value: IndexLike, *, name: str, upper_bound: int | None = Non
     return array
 
 
+def _is_range(values: np.ndarray) -> bool:
+    """Whether a non-empty array is one ascending run ``first, first + 1, ..., last``."""
+    n = values.size
+    if int(values[-1]) - int(values[0]) != n - 1:
+        return False
+    # Strictly increasing integers spanning exactly n - 1 are consecutive.
+    return n == 1 or bool((values[1:] > values[:-1]).all())
+
+
+def _bounds(values: np.ndarray) -> tuple[int, int]:
+    """(min, max) of a non-empty array; two element reads for a range (the common case)."""
+    if _is_range(values):
+        return int(values[0]), int(values[-1])
+    return int(values.min()), int(values.max())
+
+
 def _first_occurrence_unique(values: np.ndarray) -> np.ndarray:
     """Distinct values of a 1-D array in the order they first appear."""
     if values.size <= 1:
         return values.copy()
-    steps = np.diff(values)
-    if (steps >= 0).all():  # sorted (the common case): drop repeats without a sort
+    steps = values[1:] - values[:-1]
+    if (steps >= 0).all():  # sorted: drop repeats without a sort
         keep = np.empty(values.size, dtype=bool)
         keep[0] = True
         np.not_equal(steps, 0, out=keep[1:])
@@ -108,7 +123,7 @@ def _first_occurrence_unique(values: np.ndarray) -> np.ndarray:
 def _count_distinct(values: np.ndarray) -> int:
     if values.size <= 1:
         return int(values.size)
-    steps = np.diff(values)
+    steps = values[1:] - values[:-1]
     if (steps >= 0).all():
         return int(np.count_nonzero(steps)) + 1
     return int(np.unique(values).size)
@@ -130,7 +145,7 @@ class PagedTokens:
 def tokens_to_pages(tokens: np.ndarray, page_size_tokens: int) -> PagedTokens:
     """The whole pages holding ``tokens`` (validated ``int64 [n]``), duplicates removed."""
     n = tokens.size
-    if n and int(tokens[-1]) - int(tokens[0]) == n - 1 and (np.diff(tokens) == 1).all():
+    if n and _is_range(tokens):
         # One ascending range (the common case): no sort, no unique.
         first, last = int(tokens[0]) // page_size_tokens, int(tokens[-1]) // page_size_tokens
         pages = np.arange(first, last + 1, dtype=np.int64)

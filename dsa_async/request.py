@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from .transfer.batch import BatchHandle
 
 _EMPTY = np.zeros(0, dtype=np.int64)
+_START_LOCK = threading.Lock()  # one lock for every request's lazily made start waiter
 _seq = itertools.count()
 
 
@@ -57,7 +58,8 @@ class Request:
     __slots__ = (
         "seq", "direction", "host_pages", "device_pages", "host_handle", "owns_host", "after",
         "priority", "deadline", "submitted_at", "padding_tokens", "nbytes", "deps", "handle",
-        "batch_index", "state", "cancel_requested", "future", "submitted", "layer_seen",
+        "batch_index", "state", "cancel_requested", "future", "started", "_start_waiter",
+        "layer_seen",
         "__weakref__",
     )
 
@@ -78,17 +80,36 @@ class Request:
         self.padding_tokens = padding_tokens
         self.nbytes = nbytes
         self.deps: list[tuple[Request, bool]] = []
-        self.handle: BatchHandle | None = None  # set on the loop; read by threads after `submitted`
+        self.handle: BatchHandle | None = None  # set on the loop; read by threads once `started`
         self.batch_index = 0  # position of this request's pages in its batch
         self.state = RequestState.QUEUED
         self.cancel_requested = False
         self.future = future
-        self.submitted = threading.Event()  # set once `handle` exists (or the request ended)
+        self.started = False  # `handle` exists, or the request ended before it could start
+        self._start_waiter: threading.Event | None = None  # made only if a thread waits
         self.layer_seen: bytearray | None = None  # timeliness per layer, created lazily
 
     @property
     def num_pages(self) -> int:
         return int(self.device_pages.size)
+
+    def mark_started(self) -> None:
+        """Loop side: the copy was submitted, or the request ended. Wakes waiting threads."""
+        with _START_LOCK:
+            self.started = True
+            waiter = self._start_waiter
+        if waiter is not None:
+            waiter.set()
+
+    def wait_started(self, timeout_s: float | None) -> bool:
+        """Thread side: block until :meth:`mark_started`; ``False`` on timeout."""
+        with _START_LOCK:
+            if self.started:
+                return True
+            if self._start_waiter is None:
+                self._start_waiter = threading.Event()
+            waiter = self._start_waiter
+        return waiter.wait(timeout_s)
 
     def read_and_write_pages(self) -> tuple[np.ndarray, np.ndarray]:
         host = self.host_pages if self.host_pages is not None else _EMPTY
@@ -198,7 +219,7 @@ class Transfer:
         request = self._request
         self._check_layer(layer)
         waited_from = time.perf_counter()
-        if not request.submitted.wait(timeout_s):
+        if not request.wait_started(timeout_s):
             raise TimeoutError(f"prefetch not started within {timeout_s} s")
         handle = request.handle
         if handle is None:

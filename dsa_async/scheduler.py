@@ -185,7 +185,7 @@ class Scheduler:
         for request in requests:
             request.handle = handle
             request.state = RequestState.SUBMITTED
-            request.submitted.set()
+            request.mark_started()
             nbytes += request.nbytes
             for layer, future in self._pending_layers.pop(request, ()):
                 self._watch_layer(handle, layer, future)
@@ -196,38 +196,57 @@ class Scheduler:
     # --- completion -----------------------------------------------------------------------
 
     def on_batch_done(self, handle: BatchHandle) -> None:
-        """Engine completion (on the loop, via the hand-off)."""
+        """Engine completion (on the loop, via the hand-off): end every request of the batch,
+        returning their pins and recording their metrics once for the batch."""
         requests = self._batches.pop(handle)
         direction = handle.batch.direction
-        if handle.error is None:
+        error = handle.error
+        if error is None:
             self.metrics.record_batch(direction, bytes_moved=handle.batch.num_pages *
                                       self.bytes_per_page, pages_moved=handle.batch.num_pages,
                                       duration_s=handle.duration_s)
         else:
             self.metrics.record_batch_error(direction)
+        self.pool.end_copy(handle.batch.host_pages)  # every request's pin, in one update
+        now = time.perf_counter()
+        ended: dict[Outcome, tuple[list[float], list[int]]] = {}
         for request in requests:
             self.inflight_bytes[direction] -= request.nbytes
             self.inflight_requests -= 1
             if request.cancel_requested:
-                self.finish(request, Outcome.CANCELLED)
-            elif handle.error is not None:
-                error = TransferFailedError(
-                    f"{direction.value} copy of {request.num_pages} pages failed: "
-                    f"{handle.error!r}")
-                error.__cause__ = handle.error
-                self.finish(request, Outcome.FAILED, error=error)
+                outcome, result, failure = Outcome.CANCELLED, None, None
+            elif error is not None:
+                outcome, result = Outcome.FAILED, None
+                failure = TransferFailedError(
+                    f"{direction.value} copy of {request.num_pages} pages failed: {error!r}")
+                failure.__cause__ = error
             else:
-                self.finish(request, Outcome.DONE, result=TransferResult(
-                    direction, request.num_pages, request.num_pages * self.bytes_per_page,
-                    request.padding_tokens, handle.duration_s,
-                    request.host_handle if direction is Direction.D2H else None))
+                outcome, failure = Outcome.DONE, None
+                result = TransferResult(
+                    direction, request.num_pages, request.nbytes, request.padding_tokens,
+                    handle.duration_s, request.host_handle if direction is Direction.D2H else None)
+            latencies, paddings = ended.setdefault(outcome, ([], []))
+            latencies.append(now - request.submitted_at)
+            paddings.append(request.padding_tokens)
+            self._end(request, outcome, result, failure, pinned=False)
+        for outcome, (latencies, paddings) in ended.items():
+            self.metrics.record_requests(direction, outcome, latencies,
+                                         sum(paddings) * self.bytes_per_token)
         self.metrics.set_inflight_bytes(direction, self.inflight_bytes[direction])
         self._free_orphans()
         self.schedule_flush()  # publishes the pool gauges once for the whole batch
 
     def finish(self, request: Request, outcome: Outcome, *, result: TransferResult | None = None,
                error: BaseException | None = None) -> None:
-        """End ``request`` once: return everything it held, then resolve its future."""
+        """End a request that is not in a batch (queued, or never queued): once, returning
+        everything it held, then resolve its future."""
+        self.metrics.record_request(
+            request.direction, outcome, latency_s=time.perf_counter() - request.submitted_at,
+            padding_bytes=request.padding_tokens * self.bytes_per_token)
+        self._end(request, outcome, result, error, pinned=True)
+
+    def _end(self, request: Request, outcome: Outcome, result: TransferResult | None,
+             error: BaseException | None, *, pinned: bool) -> None:
         assert request.state is not RequestState.FINISHED
         if request.state is RequestState.QUEUED:
             self.queues[request.direction] = [r for r in self.queues[request.direction]
@@ -235,14 +254,11 @@ class Scheduler:
         request.state = RequestState.FINISHED
         self._host_wait_since.pop(request, None)
         self.hazards.retire(request)
-        if request.host_pages is not None:
+        if pinned and request.host_pages is not None:
             self.pool.end_copy(request.host_pages)
         if request.owns_host and outcome is not Outcome.DONE and request.host_handle is not None:
             self._orphans.append(request.host_handle)
             self._free_orphans()
-        self.metrics.record_request(
-            request.direction, outcome, latency_s=time.perf_counter() - request.submitted_at,
-            padding_bytes=request.padding_tokens * self.bytes_per_token)
         future = request.future
         if outcome is Outcome.DONE:
             future.set_result(result)
@@ -250,7 +266,7 @@ class Scheduler:
             future.set_exception(error)
         else:
             future.cancel()
-        request.submitted.set()  # wake forward-pass threads waiting for a start
+        request.mark_started()  # wake forward-pass threads waiting for a start
         for _layer, layer_future in self._pending_layers.pop(request, ()):
             if not layer_future.done():
                 layer_future.set_exception(error) if error else layer_future.cancel()
