@@ -155,7 +155,9 @@ class OffloadService:
         self._loop = loop
         handoff = LoopHandoff(loop)
         factory = self._engine_factory or functools.partial(_make_engine, self.backend)
-        self._engine = factory(bindings, handoff, self._on_batch_done, fault_hook=self._fault_hook)
+        # Off the loop: the CUDA engine page-locks the arenas here, which takes a while.
+        self._engine = await asyncio.to_thread(
+            factory, bindings, handoff, self._on_batch_done, fault_hook=self._fault_hook)
         self._scheduler = Scheduler(config, self._pool, self._engine, self.metrics, loop,
                                     self._pressure)
         self._lag_monitor = EventLoopLagMonitor(self.metrics.observe_loop_lag)
