@@ -173,6 +173,10 @@ class Transfer:
         """Call ``fn(self)`` on the loop when the request ends (done, failed or cancelled)."""
         self._request.future.add_done_callback(lambda _f: fn(self))
 
+    def exception(self) -> BaseException | None:
+        """The error of a finished request, ``None`` if it succeeded (as ``Future.exception``)."""
+        return self._request.future.exception()
+
     def result(self) -> TransferResult:
         """The result of a finished request (raises as ``Future.result`` does)."""
         return self._request.future.result()

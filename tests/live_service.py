@@ -61,11 +61,13 @@ async def _workload(service: OffloadService, stop: threading.Event) -> None:
             for layer in range(LAYERS):
                 await load.layer_ready(layer)
             await load  # the request ends (and unpins its host pages) after its last layer
-        elif mode == 1:
-            await asyncio.wait([asyncio.ensure_future(load._wait())])
-            await load  # ready before asked: on time
         else:
-            await asyncio.shield(load._request.future)  # never consumed: wasted
+            ended = asyncio.Event()
+            load.add_done_callback(lambda _t: ended.set())
+            await ended.wait()  # completion observed without consuming any layer
+            if mode == 1:
+                await load  # asked after it was ready: on time
+            # mode 2: never consumed; dropping it counts its layers as wasted
         del load
         service.release(backup.host_pages)
 

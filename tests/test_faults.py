@@ -67,7 +67,7 @@ async def test_h2d_failure_at_layer_k_reaches_every_waiter(tmp_path, k):
         gate = threading.Event()
         load = service.prefetch(backup.host_pages, tokens([9, 10]), after=gate)
         layers = [asyncio.ensure_future(load.layer_ready(j)) for j in range(LAYERS)]
-        whole = [asyncio.ensure_future(load._wait()) for _ in range(2)]
+        whole = [asyncio.ensure_future(load) for _ in range(2)]
         gate.set()
         outcomes = await asyncio.gather(*layers, *whole, return_exceptions=True)
         for j in range(LAYERS):
@@ -287,7 +287,7 @@ async def test_cancelling_at_every_await_point_leaks_nothing(tmp_path, point, ca
                 load.cancel()
             gate.set()
             blocker.proceed.set()
-            outcome = await asyncio.gather(load._wait(), return_exceptions=True)
+            outcome = await asyncio.gather(load, return_exceptions=True)
             assert load.done()
             if not cancel_request:
                 assert outcome[0].pages == 2  # the task's cancellation left the copy alone
@@ -324,7 +324,7 @@ async def test_close_with_work_in_flight_ends_every_request(tmp_path):
     for t in transfers:
         assert t.done()
         outcomes.append("cancelled" if t.cancelled() else
-                        "failed" if t._request.future.exception() else "done")
+                        "failed" if t.exception() else "done")
     assert outcomes[0] == "done" and outcomes[-1] == "cancelled", outcomes
     assert "cancelled" in outcomes[1:-1], outcomes
     assert _ledger_entries(tmp_path) == ()

@@ -163,8 +163,8 @@ async def test_cancelling_an_awaiting_task_never_cancels_the_copy(tmp_path):
     async with service, asyncio.timeout(BOUND_S):
         gate = threading.Event()
         backup = service.evict(tokens([2]), after=gate)
-        waiter = asyncio.ensure_future(backup._wait())
-        other = asyncio.ensure_future(backup._wait())
+        waiter = asyncio.ensure_future(backup)
+        other = asyncio.ensure_future(backup)
         await asyncio.sleep(0)
         waiter.cancel()
         gate.set()
@@ -233,7 +233,7 @@ async def test_close_during_heavy_traffic_ends_every_request_and_leaks_nothing(t
         assert t.done()
         if t.cancelled():
             outcomes["cancelled"] += 1
-        elif t._request.future.exception() is not None:
+        elif t.exception() is not None:
             outcomes["failed"] += 1
         else:
             outcomes["done"] += 1

@@ -209,7 +209,7 @@ class Driver:
 
     async def checkpoint(self) -> None:
         for op in self.pending():
-            await asyncio.gather(op.transfer._wait(), return_exceptions=True)
+            await asyncio.gather(op.transfer, return_exceptions=True)
         for task, _ in self.consumers:
             await task
         self.consumers.clear()
@@ -218,7 +218,7 @@ class Driver:
                 self.tainted.discard(("d", entry[1]))
                 continue
             t = entry.transfer
-            done = not t.cancelled() and t._request.future.exception() is None
+            done = not t.cancelled() and t.exception() is None
             clean = done and not (entry.reads & self.tainted)
             outcome = "done" if done else "cancelled" if t.cancelled() else "failed"
             self.counts[f"{entry.kind}-{outcome}"] = self.counts.get(f"{entry.kind}-{outcome}", 0) + 1
