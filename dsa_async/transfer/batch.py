@@ -115,23 +115,19 @@ class BatchHandle:
 
     def wait_issued(self, layer: int, timeout_s: float | None = None) -> None:
         """Block the calling thread until ``layer`` was issued; raise if the batch failed."""
-        with self._cond:
-            ok = self._cond.wait_for(
-                lambda: self.layers_issued > layer or self.done.is_set(), timeout_s
-            )
-        self._raise_if_failed(layer)
-        if not ok:
-            raise TimeoutError(f"layer {layer} of batch {self.batch.batch_id} not issued in time")
+        self._wait_until(lambda: self.layers_issued > layer, layer, "issued", timeout_s)
 
     def wait_ready(self, layer: int, timeout_s: float | None = None) -> None:
         """Block the calling thread until ``layer`` is ready; raise if the batch failed."""
+        self._wait_until(lambda: self.layers_ready > layer, layer, "ready", timeout_s)
+
+    def _wait_until(self, reached: Callable[[], bool], layer: int, what: str,
+                    timeout_s: float | None) -> None:
         with self._cond:
-            ok = self._cond.wait_for(
-                lambda: self.layers_ready > layer or self.done.is_set(), timeout_s
-            )
+            ok = self._cond.wait_for(lambda: reached() or self.done.is_set(), timeout_s)
         self._raise_if_failed(layer)
         if not ok:
-            raise TimeoutError(f"layer {layer} of batch {self.batch.batch_id} not ready in time")
+            raise TimeoutError(f"layer {layer} of batch {self.batch.batch_id} not {what} in time")
 
     def _raise_if_failed(self, layer: int) -> None:
         if self.error is not None and self.layers_ready <= layer:
