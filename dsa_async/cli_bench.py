@@ -58,6 +58,17 @@ def _check_output(path: Path | None, flag: str) -> str | None:
     return None
 
 
+def _figure_bytes(quick: bool) -> int:
+    """Bytes per copy figure: 128 MiB, and in a full run at least the last-level cache too
+    (large server caches hold 128 MiB, which flatters the contiguous reference)."""
+    from .bench.device import last_level_cache_bytes
+    from .bench.runner import MIN_FIGURE_BYTES
+
+    if quick:
+        return MIN_FIGURE_BYTES
+    return max(MIN_FIGURE_BYTES, last_level_cache_bytes() or 0)
+
+
 def run(args: argparse.Namespace) -> int:
     from .bench import TARGETS
     from .bench.device import EngineUnavailable, load_engine_class, resolve_device
@@ -79,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
 
     sweep = () if args.plot is None else (QUICK_SWEEP_PAGES if args.quick else FULL_SWEEP_PAGES)
     config = BenchConfig(backend=device.backend, pairs=QUICK_PAIRS if args.quick else FULL_PAIRS,
-                         sweep_batch_pages=sweep)
+                         figure_bytes=_figure_bytes(args.quick), sweep_batch_pages=sweep)
     started = time.perf_counter()
     bench = run_bench_blocking(config)
     print(format_table(bench, TARGETS))

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from dsa_async import cli_bench
 from dsa_async.bench import TARGETS, copy_scenarios, pool_scenarios
 from dsa_async.bench import runner as bench_runner
 from dsa_async.bench.copy_rig import CopyVerificationError, pages_for_bytes
@@ -246,6 +247,8 @@ def test_a_figure_is_at_least_the_requested_bytes_in_whole_runs_of_16_pages():
     pages = pages_for_bytes(g, 128 << 20)
     assert pages == 272 and pages * g.bytes_per_page >= 128 << 20
     assert bench_runner.MIN_FIGURE_BYTES == 128 << 20
+    assert cli_bench._figure_bytes(quick=True) == 128 << 20
+    assert cli_bench._figure_bytes(quick=False) >= 128 << 20
 
 
 # --- command line ------------------------------------------------------------------------------
@@ -254,8 +257,9 @@ def test_a_figure_is_at_least_the_requested_bytes_in_whole_runs_of_16_pages():
 @pytest.fixture
 def tiny_cli(monkeypatch):
     """The CLI with every scenario shrunk to the tiny geometry (the 128 MiB rule is the CLI's)."""
-    monkeypatch.setattr(bench_runner, "BenchConfig", functools.partial(
-        BenchConfig, figure_bytes=TINY_BYTES, geometry=TINY_GEOMETRY))
+    monkeypatch.setattr(bench_runner, "BenchConfig",
+                        functools.partial(BenchConfig, geometry=TINY_GEOMETRY))
+    monkeypatch.setattr(cli_bench, "_figure_bytes", lambda quick: TINY_BYTES)
 
 
 def test_cli_prints_the_table_and_writes_json(tiny_cli, tmp_path, capsys):
@@ -267,6 +271,7 @@ def test_cli_prints_the_table_and_writes_json(tiny_cli, tmp_path, capsys):
     assert set(data) >= {"results", "targets", "machine"}
     assert data["machine"]["backend"] == "cpu"
     assert data["machine"]["pairs"] == QUICK_PAIRS >= MIN_PAIRS
+    assert data["machine"]["figure_bytes"] == TINY_BYTES
     for name in TARGETS:
         assert name in out
         assert name in data["results"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import platform
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -90,6 +91,23 @@ def load_engine_class(backend: Backend) -> type:
     return CudaEngine
 
 
+def last_level_cache_bytes() -> int | None:
+    """Size of the CPU's last-level cache (shared by every tenant of a VM host), if known."""
+    base = Path("/sys/devices/system/cpu/cpu0/cache")
+    best: tuple[int, int] | None = None
+    for index in base.glob("index*"):
+        try:
+            level = int((index / "level").read_text())
+            text = (index / "size").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        size = int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
+        if best is None or level > best[0]:
+            best = (level, size)
+    return None if best is None else best[1]
+
+
 def load_average_1m() -> float | None:
     """The 1-minute load average (runnable threads, including the bench's own), if known."""
     try:
@@ -113,5 +131,6 @@ def machine_info(device: BenchDevice) -> dict[str, object]:
         "device_name": device.name(),
         "python": platform.python_version(),
         "platform": platform.platform(),
+        "llc_bytes": last_level_cache_bytes(),
         "load_average_1m_start": load_average_1m(),
     }
