@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import math
 import logging
 import time
 from collections.abc import Callable
@@ -32,6 +33,9 @@ from .transfer.batch import BatchHandle, CopyBatch, Dependency
 log = logging.getLogger(__name__)
 
 HostPressureCallback = Callable[[int], object]
+
+#: State gauges are refreshed at most this often on the hot path (scrapes are seconds apart).
+PUBLISH_PERIOD_S = 0.05
 
 
 class Scheduler:
@@ -60,6 +64,8 @@ class Scheduler:
         self._pressure_tasks: set[asyncio.Task] = set()
         self._flush_handle: asyncio.Handle | None = None
         self._expiry_handle: asyncio.TimerHandle | None = None
+        self._published_at = -math.inf
+        self._publish_handle: asyncio.TimerHandle | None = None
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -76,8 +82,7 @@ class Scheduler:
             self.pool.begin_copy(request.host_pages)  # pinned until the request ends
         self.queues[request.direction].append(request)
         self._idle.clear()
-        self.metrics.set_queue_depth(request.direction, len(self.queues[request.direction]))
-        self.schedule_flush()
+        self.schedule_flush()  # the flush also publishes the queue depth
 
     def schedule_flush(self) -> None:
         if self._flush_handle is None:
@@ -95,9 +100,7 @@ class Scheduler:
                 if chosen:
                     self._submit(direction, chosen)
                     progress = True
-        for direction in Direction:
-            self.metrics.set_queue_depth(direction, len(self.queues[direction]))
-        self._publish_pool()
+        self.publish_state()
 
     def _take_ready(self, direction: Direction) -> list[Request]:
         queue = self.queues[direction]
@@ -232,7 +235,6 @@ class Scheduler:
         for outcome, (latencies, paddings) in ended.items():
             self.metrics.record_requests(direction, outcome, latencies,
                                          sum(paddings) * self.bytes_per_token)
-        self.metrics.set_inflight_bytes(direction, self.inflight_bytes[direction])
         self._free_orphans()
         self.schedule_flush()  # publishes the pool gauges once for the whole batch
 
@@ -373,12 +375,37 @@ class Scheduler:
 
     # --- state ----------------------------------------------------------------------------
 
-    def _publish_pool(self) -> None:
+    def publish_state(self, *, now: bool = False) -> None:
+        """Set the state gauges (queue depth, in-flight bytes, pool bytes) from current state.
+
+        At most once per ``PUBLISH_PERIOD_S`` on the hot path, with one trailing update
+        scheduled so the last state always shows; ``now`` forces it (start, release)."""
+        loop_now = self.loop.time()
+        if not now and loop_now - self._published_at < PUBLISH_PERIOD_S:
+            if self._publish_handle is None:
+                self._publish_handle = self.loop.call_at(
+                    self._published_at + PUBLISH_PERIOD_S, self._publish_trailing)
+            return
+        self._published_at = loop_now
+        metrics = self.metrics
+        for direction in Direction:
+            metrics.set_queue_depth(direction, len(self.queues[direction]))
+            metrics.set_inflight_bytes(direction, self.inflight_bytes[direction])
         stats = self.pool.statistics()
         bpp = self.bytes_per_page
-        self.metrics.set_host_pool(
+        metrics.set_host_pool(
             used_bytes=stats.used_pages * bpp, free_bytes=stats.free_pages * bpp,
             in_flight_bytes=stats.in_flight_pages * bpp, capacity_bytes=stats.capacity_pages * bpp)
+
+    def _publish_trailing(self) -> None:
+        self._publish_handle = None
+        self.publish_state(now=True)
+
+    def cancel_timers(self) -> None:
+        for handle in (self._publish_handle, self._expiry_handle, self._flush_handle):
+            if handle is not None:
+                handle.cancel()
+        self._publish_handle = self._expiry_handle = self._flush_handle = None
 
     async def drain(self, timeout_s: float) -> None:
         """Wait until nothing is queued or in flight; after ``timeout_s`` cancel what is queued

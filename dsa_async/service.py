@@ -162,7 +162,7 @@ class OffloadService:
                                     self._pressure)
         self._lag_monitor = EventLoopLagMonitor(self.metrics.observe_loop_lag)
         self._lag_monitor.start()
-        self._scheduler._publish_pool()
+        self._scheduler.publish_state(now=True)
 
     def _on_batch_done(self, handle) -> None:
         self._scheduler.on_batch_done(handle)
@@ -196,7 +196,10 @@ class OffloadService:
         try:
             if self._scheduler is not None:
                 await self._scheduler.drain(self.config.drain_timeout_s)
+                self._scheduler.publish_state(now=True)  # the drained state, for a last scrape
         finally:
+            if self._scheduler is not None:
+                self._scheduler.cancel_timers()
             await self._release_resources()
             self._pool = None  # the arenas go with the last reference
             self._state = ServiceState.CLOSED
@@ -367,7 +370,7 @@ class OffloadService:
                 f"allocate_host_pages({num_pages}): needed {num_pages} pages, free "
                 f"{stats.free_pages}, capacity {stats.capacity_pages}; release host pages or "
                 f"raise ServiceConfig.host_pool")
-        self._scheduler._publish_pool()
+        self._scheduler.publish_state()
         return handle
 
     def statistics(self) -> ServiceStatistics:

@@ -22,6 +22,7 @@ class LoopHandoff:
         self._lock = threading.Lock()
         self._scheduled = False
         self.closed = False
+        self._loop_thread: int | None = None  # learnt at the first drain
 
     def post(self, fn: Callable[..., None], *args: object) -> None:
         """Queue ``fn(*args)`` to run on the loop thread. Safe from any thread."""
@@ -31,12 +32,16 @@ class LoopHandoff:
                 return
             self._scheduled = True
         try:
-            self.loop.call_soon_threadsafe(self._drain)
+            if threading.get_ident() == self._loop_thread:
+                self.loop.call_soon(self._drain)  # already on the loop: no wake-up write
+            else:
+                self.loop.call_soon_threadsafe(self._drain)
         except RuntimeError:  # the loop is closed: nobody is left to tell
             with self._lock:
                 self._scheduled = False
 
     def _drain(self) -> None:
+        self._loop_thread = threading.get_ident()
         with self._lock:
             self._scheduled = False
         items = self._items
