@@ -28,6 +28,9 @@ from .buffers import PoolBinding, wide_view
 
 #: Below this many bytes per call, Python and dispatch overhead dominate a copy.
 MIN_BYTES_PER_CALL = 256 * 1024
+#: Layers per fused scatter from host extents (one index_copy_ across them): measured 0.87 of a
+#: contiguous copy at 8, against 0.58 for 2-layer run copies.
+FUSED_SEGMENT_LAYERS = 8
 
 
 class CopyMode(enum.Enum):
@@ -74,12 +77,28 @@ class PagePlan:
             mode = CopyMode.SCATTER
         return cls(n, host_index, device_index, runs, tuple(segments), mode)
 
-    def layer_group(self, binding: PoolBinding) -> int:
-        """Layers per copy call so each call moves enough bytes (fused device views only)."""
+    def layer_groups(self, binding: PoolBinding, num_layers: int) -> list[tuple[int, int]]:
+        """Layer ranges ``[first, last)`` for a layer-by-layer load, readiness after each.
+
+        Per-layer device tensors: one layer at a time (index ops per layer anyway). A fused
+        3-D view moves several layers per call. From host extents the groups ramp up
+        (1, 2, 4, then ``FUSED_SEGMENT_LAYERS``) so the first layers are usable at once while
+        later calls run at full speed ahead of a consumer still on the early layers; scattered
+        pages use groups that move ``MIN_BYTES_PER_CALL`` per page copy.
+        """
         if binding.device_fused is None or not self.runs.size:
-            return 1
-        avg_run_bytes = self.num_pages / len(self.runs) * binding.geometry.bytes_per_page_per_layer
-        return max(1, min(binding.geometry.num_layers, math.ceil(MIN_BYTES_PER_CALL / avg_run_bytes)))
+            return [(layer, layer + 1) for layer in range(num_layers)]
+        if self.mode is CopyMode.SEGMENTS:
+            largest, size = FUSED_SEGMENT_LAYERS, 1
+        else:
+            run_bytes = self.num_pages / len(self.runs) * binding.geometry.bytes_per_page_per_layer
+            largest = size = max(1, math.ceil(MIN_BYTES_PER_CALL / run_bytes))
+        groups, first = [], 0
+        while first < num_layers:
+            last = min(first + size, num_layers)
+            groups.append((first, last))
+            first, size = last, min(size * 2, largest)
+        return groups
 
 
 class Staging:
@@ -101,6 +120,10 @@ def copy_layers_cpu(binding: PoolBinding, plan: PagePlan, direction: Direction, 
     to_host = direction is Direction.D2H
     if binding.device_fused is not None:
         host, dev = binding.host[first:last], binding.device_fused[first:last]
+        if not to_host and plan.mode is CopyMode.SEGMENTS:
+            _scatter_segments_fused(*_same_width(host, dev), plan)
+            return
+        # Strided run copies stay on bytes: wide elements measured slower here (0.43 vs 0.71).
         for h, d, k in plan.runs.tolist():
             if to_host:
                 host[:, h:h + k].copy_(dev[:, d:d + k])
@@ -114,6 +137,22 @@ def copy_layers_cpu(binding: PoolBinding, plan: PagePlan, direction: Direction, 
             _copy_segments(host, dev, plan, to_host)
         else:
             _copy_scattered(host, dev, plan, to_host, staging)
+
+
+def _same_width(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Wide views of both sides when they agree on the element type, else the bytes."""
+    wide_a, wide_b = wide_view(a), wide_view(b)
+    return (wide_a, wide_b) if wide_a.dtype == wide_b.dtype else (a, b)
+
+
+def _scatter_segments_fused(host: torch.Tensor, dev: torch.Tensor, plan: PagePlan) -> None:
+    """Load host extents into a fused device view: one call per extent across the layers."""
+    for seg in plan.segments:
+        h = host[:, seg.host_start:seg.host_start + seg.num_pages]
+        if seg.device_index is None:
+            dev[:, seg.device_start:seg.device_start + seg.num_pages].copy_(h)
+        else:
+            dev.index_copy_(1, seg.device_index, h)
 
 
 def _copy_segments(host: torch.Tensor, dev: torch.Tensor, plan: PagePlan, to_host: bool) -> None:

@@ -88,9 +88,9 @@ class CpuEngine(TransferEngine):
             for binding in bindings:
                 copy_layers_cpu(binding, plan, direction, 0, binding.geometry.num_layers, staging)
             return due
-        group = min(plan.layer_group(b) for b in bindings)
-        for first in range(0, self.num_layers, group):
-            last = min(first + group, self.num_layers)
+        # Pools share readiness, so the finest grouping of any pool sets the pace.
+        groups = min((plan.layer_groups(b, self.num_layers) for b in bindings), key=len)
+        for first, last in groups:
             if self.fault_hook is not None:
                 self.fault_hook(batch, first)
             for binding in bindings:
