@@ -82,7 +82,8 @@ class BatchHandle:
         with self._cond:
             self.layers_ready = layers
             self.layers_issued = max(self.layers_issued, layers)
-            due = [cb for i, cb in self._layer_waiters if i < layers]
+            ready = sorted((w for w in self._layer_waiters if w[0] < layers), key=lambda w: w[0])
+            due = [cb for _, cb in ready]  # in layer order, even when a group lands at once
             self._layer_waiters = [(i, cb) for i, cb in self._layer_waiters if i >= layers]
             self._cond.notify_all()
         return due
