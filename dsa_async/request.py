@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from .transfer.batch import BatchHandle
 
 _EMPTY = np.zeros(0, dtype=np.int64)
-_START_LOCK = threading.Lock()  # one lock for every request's lazily made start waiter
+_START_LOCK = threading.Lock()  # guards start waiters and timeliness marks of every request
 _seq = itertools.count()
 
 
@@ -229,10 +229,11 @@ class Transfer:
         if handle is None:
             raise ServiceClosedError("the prefetch ended before its copy started "
                                      "(cancelled, failed or the service closed)")
-        ready_before = layer < handle.layers_ready
+        if layer < handle.layers_ready:  # already copied (on CUDA: its event completed)
+            self._classify(layer, 0.0)
+            return
         self._scheduler.engine_wait_layer(handle, layer)
-        waited_s = 0.0 if ready_before else time.perf_counter() - waited_from
-        self._scheduler.call_in_loop(self._classify, layer, waited_s)
+        self._classify(layer, time.perf_counter() - waited_from)
 
     def _check_layer(self, layer: int) -> None:
         if self._request.direction is not Direction.H2D:
@@ -243,12 +244,14 @@ class Transfer:
                              f"layers (0..{layers - 1})")
 
     def _classify(self, layer: int, waited_s: float) -> None:
+        """Count ``layer`` once as on time or late. Any thread (metrics are thread-safe)."""
         request = self._request
-        if request.layer_seen is None:
-            request.layer_seen = bytearray(self._scheduler.num_layers)
-        if request.layer_seen[layer]:
-            return
-        request.layer_seen[layer] = 1
+        with _START_LOCK:
+            if request.layer_seen is None:
+                request.layer_seen = bytearray(self._scheduler.num_layers)
+            if request.layer_seen[layer]:
+                return
+            request.layer_seen[layer] = 1
         if waited_s > 0.0:
             self._scheduler.record_layers(Timeliness.LATE, 1, waited_s)
         else:
@@ -259,13 +262,14 @@ class Transfer:
         future = request.future
         if not future.done() or future.cancelled() or future.exception() is not None:
             return
-        seen = request.layer_seen
-        if seen is None:
-            seen = request.layer_seen = bytearray(self._scheduler.num_layers)
-        unseen = seen.count(0)
+        with _START_LOCK:
+            seen = request.layer_seen
+            if seen is None:
+                seen = request.layer_seen = bytearray(self._scheduler.num_layers)
+            unseen = seen.count(0)
+            seen[:] = b"\x01" * len(seen)
         if not unseen:
             return
-        seen[:] = b"\x01" * len(seen)
         if waited_s > 0.0:
             self._scheduler.record_layers(Timeliness.LATE, unseen, waited_s)
         else:

@@ -366,9 +366,6 @@ class Scheduler:
     def engine_wait_layer(self, handle: BatchHandle, layer: int) -> None:
         self.engine.wait_layer(handle, layer)
 
-    def call_in_loop(self, fn: Callable[..., None], *args: object) -> None:
-        self.engine.handoff.post(fn, *args)
-
     def record_layers(self, timeliness: Timeliness, layers: int, waited_s: float | None = None
                       ) -> None:
         self.metrics.record_prefetch_layers(timeliness, layers, waited_s=waited_s)

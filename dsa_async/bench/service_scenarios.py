@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import queue
 import random
 import statistics
 import tempfile
@@ -119,23 +120,33 @@ async def _overlap(ctx: BenchContext) -> float:
         ctx.progress(f"overlap: copy alone {copy_s * 1e3:.1f} ms, forward pass alone "
                      f"{compute_s * 1e3:.1f} ms ({compute_s / copy_s:.2f}x)")
         fractions = []
-        for _ in range(max(ctx.pairs, 5)):
-            load = service.prefetch(backup.host_pages, torch.arange(0, pages * g.page_size_tokens))
-            waited = [0.0]
+        work: queue.SimpleQueue = queue.SimpleQueue()
+        waits: queue.SimpleQueue = queue.SimpleQueue()
 
-            def forward_pass() -> None:
+        def forward_pass() -> None:
+            """A persistent forward-pass thread, as a server has: one prefetch per step."""
+            while (load := work.get()) is not None:
+                waited = 0.0
                 for layer in range(g.num_layers):
                     started = time.perf_counter()
                     load.wait_layer(layer)
-                    waited[0] += time.perf_counter() - started
+                    waited += time.perf_counter() - started
                     for _ in range(reps):
                         matrix @ matrix
+                waits.put(waited)
 
-            thread = threading.Thread(target=forward_pass, name="bench-forward-pass")
-            thread.start()
-            await load
+        thread = threading.Thread(target=forward_pass, name="bench-forward-pass")
+        thread.start()
+        try:
+            for _ in range(max(ctx.pairs, 5)):
+                load = service.prefetch(backup.host_pages,
+                                        torch.arange(0, pages * g.page_size_tokens))
+                work.put(load)
+                await load
+                fractions.append(await asyncio.to_thread(waits.get) / copy_s)
+        finally:
+            work.put(None)
             await asyncio.to_thread(thread.join)
-            fractions.append(waited[0] / copy_s)
         service.release(backup.host_pages)
     return statistics.median(fractions)
 
