@@ -29,6 +29,11 @@ from .geometry import HostLayout, PageGeometry
 from .pages import page_tokens
 
 
+#: Allocation ids are unique across every pool of the process, so a handle from another
+#: service can never pass for one of this pool's.
+_ALLOCATION_IDS = itertools.count(1)
+
+
 @dataclass(frozen=True)
 class HostPoolStatistics:
     """Current state of the pool, in pages (no counters, no times)."""
@@ -82,7 +87,6 @@ class HostPool:
         self._extents = ExtentAllocator(capacity_pages)
         self._owner = np.zeros(capacity_pages, dtype=np.int64)
         self._in_flight = np.zeros(capacity_pages, dtype=np.int32)
-        self._ids = itertools.count(1)
 
     @classmethod
     def create(cls, geometries: Sequence[PageGeometry], capacity_pages: int) -> HostPool:
@@ -123,21 +127,19 @@ class HostPool:
         if len(runs) == 1:
             start, n = runs[0]
             pages = np.arange(start, start + n, dtype=np.int64)
-            self._owner[start:start + n] = allocation_id = next(self._ids)
+            self._owner[start:start + n] = allocation_id = next(_ALLOCATION_IDS)
         else:
             pages = np.concatenate([np.arange(s, s + n, dtype=np.int64) for s, n in runs])
-            self._owner[pages] = allocation_id = next(self._ids)
+            self._owner[pages] = allocation_id = next(_ALLOCATION_IDS)
         return HostPages(pages, tuple(runs), allocation_id, self.page_size_tokens)
 
     def check_owned(self, handle: HostPages) -> None:
         """Raise ``UnknownHostPagesError`` unless every page of ``handle`` is still held by it."""
         if not isinstance(handle, HostPages):
             raise TypeError(f"expected HostPages, got {type(handle).__name__}")
-        pages = handle.pages
-        if pages.size and (
-            int(pages.max()) >= self.capacity_pages
-            or not (self._owner[pages] == handle.allocation_id).all()
-        ):
+        owner, allocation = self._owner, handle.allocation_id
+        if any(start + n > self.capacity_pages or not (owner[start:start + n] == allocation).all()
+               for start, n in handle.runs):
             raise UnknownHostPagesError(
                 f"{handle!r} is not held by this pool: it was already released or comes from "
                 f"another service; use a handle returned by this service and release it once"

@@ -29,6 +29,14 @@ IndexLike = torch.Tensor | np.ndarray | Sequence[int] | range
 def as_index_array(value: IndexLike, *, name: str, upper_bound: int | None = None) -> np.ndarray:
     """Validate an index argument and return it as a 1-D ``int64`` numpy array (shape ``[n]``).
 
+    See :func:`checked_index_array`, which also says whether the indices form one range."""
+    return checked_index_array(value, name=name, upper_bound=upper_bound)[0]
+
+
+def checked_index_array(value: IndexLike, *, name: str, upper_bound: int | None = None
+                        ) -> tuple[np.ndarray, bool]:
+    """Validate an index argument: ``(int64 [n] array, whether it is one ascending range)``.
+
     Accepts a 1-D integer CPU tensor, a 1-D integer numpy array, or a sequence of ints.
     ``upper_bound`` (exclusive) is checked when given. Raises ``IndexTypeError`` for a wrong
     type, dtype or device and ``IndexValueError`` for a wrong shape, layout or value.
@@ -75,8 +83,11 @@ def as_index_array(value: IndexLike, *, name: str, upper_bound: int | None = Non
             f"{name} must be 1-D, got shape {tuple(array.shape)}; flatten it with .reshape(-1)"
         )
     array = array.astype(np.int64, copy=False)
+    is_range = False
     if array.size:
-        low, high = _bounds(array)
+        is_range = _is_range(array)
+        low, high = (int(array[0]), int(array[-1])) if is_range else (
+            int(array.min()), int(array.max()))
         if low < 0:
             at = int(np.argmax(array < 0))
             raise IndexValueError(f"{name}[{at}] = {int(array[at])} is negative; indices start at 0")
@@ -87,7 +98,7 @@ def as_index_array(value: IndexLike, *, name: str, upper_bound: int | None = Non
                     f"{name}[{at}] = {int(array[at])} is out of range: this side holds {upper_bound} "
                     f"slots (valid 0..{upper_bound - 1})"
                 )
-    return array
+    return array, is_range
 
 
 def _is_range(values: np.ndarray) -> bool:
@@ -97,13 +108,6 @@ def _is_range(values: np.ndarray) -> bool:
         return False
     # Strictly increasing integers spanning exactly n - 1 are consecutive.
     return n == 1 or bool((values[1:] > values[:-1]).all())
-
-
-def _bounds(values: np.ndarray) -> tuple[int, int]:
-    """(min, max) of a non-empty array; two element reads for a range (the common case)."""
-    if _is_range(values):
-        return int(values[0]), int(values[-1])
-    return int(values.min()), int(values.max())
 
 
 def _first_occurrence_unique(values: np.ndarray) -> np.ndarray:
@@ -142,10 +146,14 @@ class PagedTokens:
         return int(self.pages.size)
 
 
-def tokens_to_pages(tokens: np.ndarray, page_size_tokens: int) -> PagedTokens:
-    """The whole pages holding ``tokens`` (validated ``int64 [n]``), duplicates removed."""
+def tokens_to_pages(tokens: np.ndarray, page_size_tokens: int, *,
+                    is_range: bool | None = None) -> PagedTokens:
+    """The whole pages holding ``tokens`` (validated ``int64 [n]``), duplicates removed.
+
+    ``is_range``: whether the tokens are one ascending range, when the caller already knows.
+    """
     n = tokens.size
-    if n and _is_range(tokens):
+    if n and (_is_range(tokens) if is_range is None else is_range):
         # One ascending range (the common case): no sort, no unique.
         first, last = int(tokens[0]) // page_size_tokens, int(tokens[-1]) // page_size_tokens
         pages = np.arange(first, last + 1, dtype=np.int64)

@@ -59,7 +59,7 @@ class Request:
         "seq", "direction", "host_pages", "device_pages", "host_handle", "owns_host", "after",
         "priority", "deadline", "submitted_at", "padding_tokens", "nbytes", "deps", "handle",
         "batch_index", "state", "cancel_requested", "future", "started", "_start_waiter",
-        "layer_seen",
+        "layer_seen", "waiters",
         "__weakref__",
     )
 
@@ -88,6 +88,7 @@ class Request:
         self.started = False  # `handle` exists, or the request ended before it could start
         self._start_waiter: threading.Event | None = None  # made only if a thread waits
         self.layer_seen: bytearray | None = None  # timeliness per layer, created lazily
+        self.waiters: list[asyncio.Future] = []  # one per task awaiting the Transfer
 
     @property
     def num_pages(self) -> int:
@@ -187,15 +188,23 @@ class Transfer:
     async def _wait(self) -> TransferResult:
         request = self._request
         future = request.future
-        if request.direction is Direction.H2D and not future.done():
+        prefetch = request.direction is Direction.H2D
+        if not future.done():
+            # A waiter of our own, resolved when the request ends: cancelling this task
+            # cancels only the waiter, never the request or other waiters (like shield(),
+            # without its extra loop hop).
+            waiter = future.get_loop().create_future()
+            request.waiters.append(waiter)
             waited_from = time.perf_counter()
             try:
-                return await asyncio.shield(future)
+                await waiter
             finally:
-                self._classify_all(time.perf_counter() - waited_from)
-        if request.direction is Direction.H2D:
+                request.waiters.remove(waiter)
+                if prefetch:
+                    self._classify_all(time.perf_counter() - waited_from)
+        elif prefetch:
             self._classify_all(0.0)
-        return await asyncio.shield(future)
+        return future.result()
 
     # --- per-layer readiness ---------------------------------------------------------------
 

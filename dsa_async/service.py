@@ -34,7 +34,7 @@ from .host_pool import HostPages, HostPool
 from .kinds import Backend, Direction, Outcome
 from .ledger import HostLedger
 from .metrics import BudgetFigures, EventLoopLagMonitor, ServiceMetrics
-from .pages import as_index_array, pair_tokens_to_pages, tokens_to_pages
+from .pages import as_index_array, checked_index_array, pair_tokens_to_pages, tokens_to_pages
 from .plan import reserve_host_pools
 from .request import NO_DEADLINE, Request, Transfer, TransferResult
 from .scheduler import HostPressureCallback, Scheduler
@@ -256,10 +256,10 @@ class OffloadService:
         """
         scheduler = self._running()
         ps = self.config.page_size_tokens
-        device = as_index_array(device_tokens, name="device_tokens",
-                                upper_bound=self.device_pages * ps)
+        device, device_is_range = checked_index_array(device_tokens, name="device_tokens",
+                                                      upper_bound=self.device_pages * ps)
         if host_tokens is None:
-            paged = tokens_to_pages(device, ps)
+            paged = tokens_to_pages(device, ps, is_range=device_is_range)
             device_pages, host_pages = paged.pages, None
             padding, owns = paged.padding_tokens, True
         else:

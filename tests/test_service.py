@@ -50,11 +50,14 @@ async def test_layers_become_ready_in_layer_order(tmp_path):
     service, buffers = make_service(tmp_path, layers=8)
     async with service, asyncio.timeout(BOUND_S):
         backup = await service.evict(tokens([1, 2]))
-        load = service.prefetch(backup.host_pages, tokens([5, 6]))
+        gate = threading.Event()  # the copy starts only once every waiter is registered
+        load = service.prefetch(backup.host_pages, tokens([5, 6]), after=gate)
         order: list[int] = []
         waits = [asyncio.ensure_future(load.layer_ready(i)) for i in reversed(range(8))]
         for layer, waiter in zip(reversed(range(8)), waits):
             waiter.add_done_callback(lambda _f, layer=layer: order.append(layer))
+        await asyncio.sleep(0)  # let the waiters register (in reverse layer order)
+        gate.set()
         await asyncio.gather(*waits)
         await load
         assert order == sorted(order) and len(order) == 8
