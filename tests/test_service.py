@@ -310,3 +310,37 @@ async def test_empty_request_is_a_no_op(tmp_path):
         start = service.statistics()
         result = await service.evict(torch.empty(0, dtype=torch.int64))
         assert result.pages == 0 and service.statistics() == start
+
+
+async def test_prefetches_go_by_deadline_then_priority(tmp_path):
+    one_page = 3 * 8448
+    service, _ = make_service(tmp_path, max_inflight_bytes_h2d=one_page)
+    async with service, asyncio.timeout(BOUND_S):
+        backup = await service.evict(tokens([0]))
+        order: list[str] = []
+        plan = [("late-low", None, 0), ("late-high", None, 5), ("soon", 0.5, 0),
+                ("sooner", 0.2, 0), ("sooner-high", 0.2, 9)]
+        loads = []
+        for target, (name, deadline, priority) in enumerate(plan, start=10):
+            load = service.prefetch(backup.host_pages, tokens([target]), deadline_s=deadline,
+                                    priority=priority)
+            load.add_done_callback(lambda _t, name=name: order.append(name))
+            loads.append(load)
+        await asyncio.gather(*loads)
+        assert order == ["sooner-high", "sooner", "soon", "late-high", "late-low"]
+        service.release(backup.host_pages)
+
+
+async def test_evictions_go_by_priority(tmp_path):
+    service, _ = make_service(tmp_path, max_inflight_bytes_d2h=3 * 8448)
+    async with service, asyncio.timeout(BOUND_S):
+        order: list[int] = []
+        backups = []
+        for page, priority in enumerate([0, 3, 1, 7]):
+            backup = service.evict(tokens([page]), priority=priority)
+            backup.add_done_callback(lambda _t, priority=priority: order.append(priority))
+            backups.append(backup)
+        results = await asyncio.gather(*backups)
+        assert order == [7, 3, 1, 0]
+        for result in results:
+            service.release(result.host_pages)
