@@ -33,7 +33,8 @@ from .errors import (ConfigError, HostPoolExhausted, IndexTypeError, IndexValueE
 from .host_pool import HostPages, HostPool
 from .kinds import Backend, Direction, Outcome
 from .ledger import HostLedger
-from .metrics import BudgetFigures, EventLoopLagMonitor, ServiceMetrics
+from .loop_lag import EventLoopLagMonitor
+from .metrics import BudgetFigures, ServiceMetrics
 from .pages import as_index_array, checked_index_array, pair_tokens_to_pages, tokens_to_pages
 from .plan import reserve_host_pools
 from .request import NO_DEADLINE, Request, Transfer, TransferResult

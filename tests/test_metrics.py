@@ -11,10 +11,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from dsa_async.errors import ConfigError
 from dsa_async.kinds import Backend, BudgetKind, Direction, Outcome, PoolState, Timeliness
+from dsa_async.loop_lag import EventLoopLagMonitor
 from dsa_async.metrics import (
     DURATION_BUCKETS_S,
     BudgetFigures,
-    EventLoopLagMonitor,
     ServiceMetrics,
 )
 from prometheus_harness import require_tool, run_tool

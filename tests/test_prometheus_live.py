@@ -7,17 +7,13 @@ backend under a small workload (see ``live_service.py``), serving ``/metrics`` o
 from __future__ import annotations
 
 import math
-import threading
 import time
 import urllib.request
 from collections.abc import Iterator
 
 import pytest
-from prometheus_client import CollectorRegistry
 
-from dsa_async.exposition import start_metrics_server
-from dsa_async.kinds import Backend, Direction, Outcome, Timeliness
-from dsa_async.metrics import BudgetFigures, ServiceMetrics
+from dsa_async.kinds import Direction
 from live_service import live_service
 from prometheus_harness import (
     SCRAPE_INTERVAL_S,

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
-import numpy as np
 import pytest
 import torch
 

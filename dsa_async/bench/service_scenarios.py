@@ -7,7 +7,6 @@ isolate Python work (validation, padding, page states, hazards, batching, metric
 from __future__ import annotations
 
 import asyncio
-import math
 import queue
 import random
 import statistics
