@@ -59,6 +59,12 @@ class HazardTable:
         for page in reads.tolist():
             readers_of_mine.setdefault(page, []).append(request)
 
+    def register_fresh_host_writes(self, request: Request) -> None:
+        """Register host pages allocated after admission (they were free: nothing to follow)."""
+        writers = self._writer[Direction.D2H]
+        for page in request.host_pages.tolist():
+            writers[page] = request
+
     def retire(self, request: Request) -> None:
         """Forget ``request`` (it ended: done, failed or cancelled)."""
         d = request.direction
@@ -80,9 +86,3 @@ class HazardTable:
             len(t) for t in self._readers.values()
         )
 
-
-def register_fresh_host_writes(table: HazardTable, request: Request) -> None:
-    """Register host pages allocated after admission (they were free: nothing to follow)."""
-    writers = table._writer[Direction.D2H]
-    for page in request.host_pages.tolist():
-        writers[page] = request

@@ -21,8 +21,8 @@ from collections.abc import Callable
 import numpy as np
 
 from .config import ServiceConfig
-from .errors import HostPoolExhausted, ServiceClosedError, TransferFailedError
-from .hazards import HazardTable, register_fresh_host_writes
+from .errors import HostPoolExhausted, TransferFailedError
+from .hazards import HazardTable
 from .host_pool import HostPool
 from .kinds import Direction, Outcome, Timeliness
 from .metrics import ServiceMetrics
@@ -160,7 +160,7 @@ class Scheduler:
         request.host_handle = handle
         request.host_pages = handle.pages
         self.pool.begin_copy(handle.pages)
-        register_fresh_host_writes(self.hazards, request)
+        self.hazards.register_fresh_host_writes(request)
         return True
 
     def _submit(self, direction: Direction, requests: list[Request]) -> None:
@@ -423,9 +423,3 @@ class Scheduler:
             await self._idle.wait()
         for task in list(self._pressure_tasks):
             task.cancel()
-
-    def fail_everything_queued(self) -> None:
-        for direction in Direction:
-            for request in list(self.queues[direction]):
-                self.finish(request, Outcome.FAILED,
-                            error=ServiceClosedError("the service closed before this request ran"))
