@@ -401,6 +401,14 @@ class Scheduler:
         self._publish_handle = None
         self.publish_state(now=True)
 
+    async def _idle_within(self, timeout_s: float) -> bool:
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._idle.wait()
+        except TimeoutError:
+            return False
+        return True
+
     def cancel_timers(self) -> None:
         for handle in (self._publish_handle, self._expiry_handle, self._flush_handle):
             if handle is not None:
@@ -408,18 +416,20 @@ class Scheduler:
         self._publish_handle = self._expiry_handle = self._flush_handle = None
 
     async def drain(self, timeout_s: float) -> None:
-        """Wait until nothing is queued or in flight; after ``timeout_s`` cancel what is queued
-        and wait for the copies already started (they are never torn)."""
+        """Wait until nothing is queued or in flight. After ``timeout_s`` cancel what is queued;
+        copies already running complete (never torn), and after another ``timeout_s`` copies
+        still blocked on a producer that never finished are abandoned (they fail)."""
         for request in list(self._host_wait_since):
             self.finish(request, Outcome.CANCELLED)
         self.schedule_flush()
-        try:
-            async with asyncio.timeout(timeout_s):
-                await self._idle.wait()
-        except TimeoutError:
+        if not await self._idle_within(timeout_s):
             for direction in Direction:
                 for request in list(self.queues[direction]):
                     self.finish(request, Outcome.CANCELLED)
-            await self._idle.wait()
+            if not await self._idle_within(timeout_s):
+                log.error("close(): %d requests still wait for a producer or dependency after "
+                          "%.3g s; abandoning them", self.inflight_requests, 2 * timeout_s)
+                self.engine.abandon_waits()
+                await self._idle.wait()
         for task in list(self._pressure_tasks):
             task.cancel()

@@ -435,3 +435,15 @@ async def test_a_live_pid_counts_only_with_its_own_start_time(tmp_path, root, sa
         sleeper.kill()
         sleeper.wait(30)
         sleeper.stdout.close()
+
+
+async def test_close_does_not_hang_on_a_producer_that_never_finishes(tmp_path):
+    service, _ = make_service(tmp_path, drain_timeout_s=0.2)
+    await service.start()
+    never = threading.Event()
+    stuck = service.evict(tokens([0]), after=never)
+    async with asyncio.timeout(BOUND_S):
+        await service.close()
+    assert stuck.done() and isinstance(stuck.exception(), TransferFailedError)
+    assert "never ran" in str(stuck.exception())
+    assert HostLedger(tmp_path / "ledger").entries() == ()

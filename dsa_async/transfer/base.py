@@ -69,6 +69,10 @@ class TransferEngine(abc.ABC):
             )
         return after
 
+    def abandon_waits(self) -> None:
+        """Make batches still blocked on a dependency or a producer fail instead of waiting
+        (close() after its drain timeout). Copies already running complete. Any thread."""
+
     @abc.abstractmethod
     def close(self) -> None:
         """Drain submitted batches and stop. Blocks (run it off the loop)."""

@@ -12,11 +12,34 @@ import queue
 import threading
 import time
 
-from ..errors import TransferFailedError
+from ..errors import ServiceClosedError, TransferFailedError
 from ..kinds import Backend, Direction
 from .base import TransferEngine
 from .batch import BatchHandle, CopyBatch
 from .copyplan import PagePlan, Staging, copy_layers_cpu
+
+
+#: How often a worker blocked on a dependency or producer checks whether waits were abandoned.
+WAIT_POLL_S = 0.1
+
+
+class _Waitable:
+    """Adapts a producer's ``wait()`` (which may take no timeout) to ``wait(timeout)``."""
+
+    def __init__(self, producer) -> None:
+        self._producer = producer
+
+    def wait(self, timeout_s: float) -> bool:
+        try:
+            return bool(self._producer.wait(timeout_s)) or _is_set(self._producer)
+        except TypeError:  # wait() without a timeout: block, as the caller asked
+            self._producer.wait()
+            return True
+
+
+def _is_set(producer) -> bool:
+    is_set = getattr(producer, "is_set", None)
+    return bool(is_set()) if callable(is_set) else False
 
 
 class CpuEngine(TransferEngine):
@@ -24,6 +47,7 @@ class CpuEngine(TransferEngine):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self._abandoned = threading.Event()
         self._queues = {d: queue.SimpleQueue() for d in Direction}
         self._threads = {
             d: threading.Thread(target=self._run, args=(d,), name=f"dsa-async-{d.value}",
@@ -63,17 +87,28 @@ class CpuEngine(TransferEngine):
             due += handle.finish(error, time.perf_counter() - started)
             self._report(handle, due)
 
-    @staticmethod
-    def _wait_dependencies(batch: CopyBatch) -> None:
+    def abandon_waits(self) -> None:
+        self._abandoned.set()
+
+    def _wait_for(self, event, what: str) -> None:
+        """Block until ``event.wait()`` returns true, unless the engine abandons waits."""
+        while not event.wait(WAIT_POLL_S):
+            if self._abandoned.is_set():
+                raise ServiceClosedError(
+                    f"the service closed while this copy still waited for {what}; it never ran")
+
+    def _wait_dependencies(self, batch: CopyBatch) -> None:
         for dep in batch.deps:
-            dep.handle.done.wait()  # hazard: an earlier copy touches the same pages
+            # hazard: an earlier copy touches the same pages
+            self._wait_for(dep.handle.done, f"batch {dep.handle.batch.batch_id}")
             if dep.needs_data and dep.handle.error is not None:
                 raise TransferFailedError(
                     f"batch {dep.handle.batch.batch_id}, which produced the host pages this "
                     f"batch reads, failed: {dep.handle.error!r}"
                 ) from dep.handle.error
         for producer in batch.after:
-            producer.wait()  # the caller's producer must finish writing the pages first
+            # the caller's producer must finish writing the pages first
+            self._wait_for(_Waitable(producer), f"its producer {producer!r}")
 
     def _copy(self, handle: BatchHandle, direction: Direction, staging: Staging) -> list:
         batch = handle.batch
