@@ -316,8 +316,10 @@ async def test_prefetches_go_by_deadline_then_priority(tmp_path):
     async with service, asyncio.timeout(BOUND_S):
         backup = await service.evict(tokens([0]))
         order: list[str] = []
+        # Deadlines are seconds from each submit, so only requests without one tie exactly;
+        # those go by priority.
         plan = [("late-low", None, 0), ("late-high", None, 5), ("soon", 0.5, 0),
-                ("sooner", 0.2, 0), ("sooner-high", 0.2, 9)]
+                ("sooner", 0.2, 9), ("soonest", 0.1, 0)]
         loads = []
         for target, (name, deadline, priority) in enumerate(plan, start=10):
             load = service.prefetch(backup.host_pages, tokens([target]), deadline_s=deadline,
@@ -325,7 +327,7 @@ async def test_prefetches_go_by_deadline_then_priority(tmp_path):
             load.add_done_callback(lambda _t, name=name: order.append(name))
             loads.append(load)
         await asyncio.gather(*loads)
-        assert order == ["sooner-high", "sooner", "soon", "late-high", "late-low"]
+        assert order == ["soonest", "sooner", "soon", "late-high", "late-low"]
         service.release(backup.host_pages)
 
 
