@@ -33,31 +33,34 @@ class HazardTable:
         d = request.direction
         other = Direction.H2D if d is Direction.D2H else Direction.D2H
         reads, writes = request.read_and_write_pages()
-        deps = request.deps
-        seen: set[int] = set()
-
-        def add(dep: Request, needs_data: bool) -> None:
-            if id(dep) not in seen:
-                seen.add(id(dep))
-                deps.append((dep, needs_data))
-
+        reads = reads.tolist()
+        found: dict[int, tuple[Request, bool]] = {}  # id -> (earlier request, needs its data)
         # What I read was last written by the other direction: read-after-write.
-        writer_of_reads, readers_of_mine = self._writer[other], self._readers[d]
-        for page in reads.tolist():
+        writer_of_reads = self._writer[other]
+        needs_data = d is Direction.H2D  # a prefetch needs the backup's bytes
+        for page in reads:
             w = writer_of_reads.get(page)
             if w is not None:
-                add(w, d is Direction.H2D)  # a prefetch needs the backup's bytes
+                found.setdefault(id(w), (w, needs_data))
         # What I write: after its last writer (same direction) and its pending readers.
-        writer_of_writes, readers_of_writes = self._writer[d], self._readers[other]
-        for page in writes.tolist():
-            w = writer_of_writes.get(page)
-            if w is not None:
-                add(w, False)
-            for r in readers_of_writes.get(page, ()):
-                add(r, False)
-            writer_of_writes[page] = request
-        for page in reads.tolist():
-            readers_of_mine.setdefault(page, []).append(request)
+        if writes.size:
+            writer_of_writes, readers_of_writes = self._writer[d], self._readers[other]
+            for page in writes.tolist():
+                w = writer_of_writes.get(page)
+                if w is not None:
+                    found.setdefault(id(w), (w, False))
+                for r in readers_of_writes.get(page, ()):
+                    found.setdefault(id(r), (r, False))
+                writer_of_writes[page] = request
+        readers_of_mine = self._readers[d]
+        for page in reads:
+            pending = readers_of_mine.get(page)
+            if pending is None:
+                readers_of_mine[page] = [request]
+            else:
+                pending.append(request)
+        if found:
+            request.deps.extend(found.values())
 
     def register_fresh_host_writes(self, request: Request) -> None:
         """Register host pages allocated after admission (they were free: nothing to follow)."""

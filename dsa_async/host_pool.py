@@ -158,15 +158,16 @@ class HostPool:
     def release(self, handle: HostPages) -> None:
         """Return the pages of ``handle``; refuses (changing nothing) if a copy uses any of them."""
         self.check_owned(handle)
-        busy = self._in_flight[handle.pages] > 0
-        if busy.any():
+        in_flight = self._in_flight
+        if any(in_flight[start:start + n].any() for start, n in handle.runs):
+            busy = in_flight[handle.pages] > 0
             raise PagesInFlightError(
                 f"{handle!r}: {int(busy.sum())} of its {handle.num_pages} pages are in flight "
                 f"(host page {int(handle.pages[np.argmax(busy)])} first); await the transfer "
                 f"that uses them before release()"
             )
-        self._owner[handle.pages] = 0
         for start, n in handle.runs:
+            self._owner[start:start + n] = 0
             self._extents.free(start, n)
 
     # --- in-flight state --------------------------------------------------------------------
