@@ -409,11 +409,13 @@ class Scheduler:
             return False
         return True
 
-    def cancel_timers(self) -> None:
+    def detach(self) -> None:
+        """After close: stop timers and drop the pool and engine (and with them the arenas)."""
         for handle in (self._publish_handle, self._expiry_handle, self._flush_handle):
             if handle is not None:
                 handle.cancel()
         self._publish_handle = self._expiry_handle = self._flush_handle = None
+        self.pool = self.engine = None
 
     async def drain(self, timeout_s: float) -> None:
         """Wait until nothing is queued or in flight. After ``timeout_s`` cancel what is queued;

@@ -199,10 +199,7 @@ class OffloadService:
                 await self._scheduler.drain(self.config.drain_timeout_s)
                 self._scheduler.publish_state(now=True)  # the drained state, for a last scrape
         finally:
-            if self._scheduler is not None:
-                self._scheduler.cancel_timers()
             await self._release_resources()
-            self._pool = None  # the arenas go with the last reference
             self._state = ServiceState.CLOSED
             self._closed.set()
 
@@ -215,6 +212,9 @@ class OffloadService:
             await asyncio.to_thread(engine.close)
             engine.handoff.drain_now()  # completions posted while closing
             engine.handoff.closed = True
+        if self._scheduler is not None:
+            self._scheduler.detach()  # Transfers the caller keeps must not keep the arenas alive
+        self._pool = None  # the arenas go with the last reference (also after a failed start)
         if self._reservation is not None:
             reservation, self._reservation = self._reservation, None
             await asyncio.to_thread(reservation.release)

@@ -344,3 +344,16 @@ async def test_evictions_go_by_priority(tmp_path):
         assert order == [7, 3, 1, 0]
         for result in results:
             service.release(result.host_pages)
+
+
+async def test_close_frees_the_arenas_even_while_transfers_are_kept(tmp_path):
+    import gc
+    import weakref
+
+    service, _ = make_service(tmp_path)
+    async with service, asyncio.timeout(BOUND_S):
+        kept = service.evict(tokens([1]))  # the caller keeps its Transfer after close
+        await kept
+        arena = weakref.ref(service.host_pool.arenas["indexer"])
+    gc.collect()
+    assert arena() is None and kept.done()
