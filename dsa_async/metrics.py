@@ -269,7 +269,7 @@ class ServiceMetrics:
         )
         self._pool_allocation = Histogram(
             PREFIX + "pool_allocation_seconds",
-            "Time to allocate host pool page extents for one request, in seconds.",
+            "Time to allocate and first-touch the host pool arenas at start, in seconds.",
             buckets=buckets,
             registry=reg,
         )
@@ -380,7 +380,7 @@ class ServiceMetrics:
         self._pool_capacity.set(capacity_bytes)
 
     def observe_pool_allocation(self, seconds: float) -> None:
-        """Observe how long one host pool allocation took. Non-blocking."""
+        """Observe how long allocating and first-touching the host arenas took. Non-blocking."""
         _non_negative("seconds", seconds)
         self._pool_allocation.observe(seconds)
 

@@ -138,11 +138,13 @@ def expected_unit(exprs: list[str]) -> set[str]:
         return {"s"}
     if "/ 1e9" in joined:
         return {"GBs"}
+    names = set(METRIC_NAME.findall(joined))
+    if names and all("_seconds_" in name for name in names):  # a mean: seconds sum / count
+        return {"s"}
     if re.search(r"\)\s*/\s*sum|\}\s*/\s*ignoring", joined):
         return {"percentunit"}
     if "rate(" in joined:
         return {"reqps", "cps", "ops", "short"}
-    names = set(METRIC_NAME.findall(joined))
     if names and all("bytes" in name for name in names):
         return {"bytes", "decbytes"}
     return {"short", "none"}
