@@ -33,7 +33,6 @@ class HazardTable:
         d = request.direction
         other = Direction.H2D if d is Direction.D2H else Direction.D2H
         reads, writes = request.read_and_write_pages()
-        reads = reads.tolist()
         found: dict[int, tuple[Request, bool]] = {}  # id -> (earlier request, needs its data)
         # What I read was last written by the other direction: read-after-write.
         writer_of_reads = self._writer[other]
@@ -43,9 +42,9 @@ class HazardTable:
             if w is not None:
                 found.setdefault(id(w), (w, needs_data))
         # What I write: after its last writer (same direction) and its pending readers.
-        if writes.size:
+        if writes:
             writer_of_writes, readers_of_writes = self._writer[d], self._readers[other]
-            for page in writes.tolist():
+            for page in writes:
                 w = writer_of_writes.get(page)
                 if w is not None:
                     found.setdefault(id(w), (w, False))
@@ -65,7 +64,7 @@ class HazardTable:
     def register_fresh_host_writes(self, request: Request) -> None:
         """Register host pages allocated after admission (they were free: nothing to follow)."""
         writers = self._writer[Direction.D2H]
-        for page in request.host_pages.tolist():
+        for page in request.host_pages:
             writers[page] = request
 
     def retire(self, request: Request) -> None:
@@ -73,11 +72,11 @@ class HazardTable:
         d = request.direction
         reads, writes = request.read_and_write_pages()
         writers = self._writer[d]
-        for page in writes.tolist():
+        for page in writes:
             if writers.get(page) is request:
                 del writers[page]
         readers = self._readers[d]
-        for page in reads.tolist():
+        for page in reads:
             pending = readers.get(page)
             if pending is not None:
                 pending.remove(request)

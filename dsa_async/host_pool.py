@@ -8,7 +8,9 @@ is the CUDA backend's job (it registers exactly these bytes). Arena shapes::
     HostLayout.PAGE_FIRST:  [capacity_pages, num_layers, bytes_per_page_per_layer]
 
 Page states live in one table: ``owner`` (0 = free, else the allocation that holds the page)
-and ``in_flight`` (how many copies read or write the page right now). A page with a copy in
+and ``in_flight`` (how many copies read or write the page right now; a dict holding only the
+pages in flight, because requests touch a few pages each and numpy costs more than a dict
+look-up at that size). A page with a copy in
 flight cannot be released. Not thread-safe: owned by the event loop; every method is
 non-blocking except :meth:`HostPool.create`, which allocates and zero-fills the arenas.
 """
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,6 +28,7 @@ import torch
 from .errors import PagesInFlightError, UnknownHostPagesError
 from .extents import ExtentAllocator
 from .geometry import HostLayout, PageGeometry
+from .page_seq import PageSeq
 from .pages import page_tokens
 
 
@@ -46,23 +49,31 @@ class HostPoolStatistics:
 
 
 class HostPages:
-    """A handle to host pages from one allocation (``pages``: ``int64 [n_pages]``, in order).
+    """A handle to host pages from one allocation, in order: ``runs`` of ``(start, num_pages)``.
 
-    Valid until released; the pool refuses a released or foreign handle.
+    ``pages`` is the same as an ``int64 [n_pages]`` array (a fresh copy per call), ``page_seq``
+    as a ``range`` (one run) or a list. Valid until released; the pool refuses a released or
+    foreign handle.
     """
 
-    __slots__ = ("pages", "runs", "allocation_id", "page_size_tokens")
+    __slots__ = ("runs", "allocation_id", "page_size_tokens", "num_pages", "page_seq")
 
-    def __init__(self, pages: np.ndarray, runs: tuple[tuple[int, int], ...], allocation_id: int,
+    def __init__(self, runs: tuple[tuple[int, int], ...], allocation_id: int,
                  page_size_tokens: int) -> None:
-        self.pages = pages
         self.runs = runs  #: ``(start, num_pages)`` extents, in page order
         self.allocation_id = allocation_id
         self.page_size_tokens = page_size_tokens
+        if len(runs) == 1:
+            start, n = runs[0]
+            self.page_seq: PageSeq = range(start, start + n)
+        else:
+            self.page_seq = [p for start, n in runs for p in range(start, start + n)]
+        self.num_pages = len(self.page_seq)
 
     @property
-    def num_pages(self) -> int:
-        return int(self.pages.size)
+    def pages(self) -> np.ndarray:
+        """The pages as ``int64 [n_pages]`` (a fresh array: changing it changes nothing)."""
+        return np.fromiter(self.page_seq, dtype=np.int64, count=self.num_pages)
 
     def token_indices(self) -> torch.Tensor:
         """Every host token slot of these pages, page by page (``int64 [n_pages * page_size]``)."""
@@ -85,8 +96,9 @@ class HostPool:
         self.arenas: dict[str, torch.Tensor] = {}
         self.startup_s = 0.0
         self._extents = ExtentAllocator(capacity_pages)
-        self._owner = np.zeros(capacity_pages, dtype=np.int64)
-        self._in_flight = np.zeros(capacity_pages, dtype=np.int32)
+        self._owner = np.zeros(capacity_pages, dtype=np.int64)  # page -> allocation id (0: free)
+        self._live: dict[int, tuple[tuple[int, int], ...]] = {}  # allocation id -> its runs
+        self._in_flight: dict[int, int] = {}  # page -> copies using it now (only pages > 0)
 
     @classmethod
     def create(cls, geometries: Sequence[PageGeometry], capacity_pages: int) -> HostPool:
@@ -124,32 +136,33 @@ class HostPool:
         runs = self._extents.allocate(num_pages)
         if runs is None:
             return None
-        if len(runs) == 1:
-            start, n = runs[0]
-            pages = np.arange(start, start + n, dtype=np.int64)
-            self._owner[start:start + n] = allocation_id = next(_ALLOCATION_IDS)
-        else:
-            pages = np.concatenate([np.arange(s, s + n, dtype=np.int64) for s, n in runs])
-            self._owner[pages] = allocation_id = next(_ALLOCATION_IDS)
-        return HostPages(pages, tuple(runs), allocation_id, self.page_size_tokens)
+        allocation_id = next(_ALLOCATION_IDS)
+        owner = self._owner
+        for start, n in runs:
+            owner[start:start + n] = allocation_id
+        runs = tuple(runs)
+        self._live[allocation_id] = runs
+        return HostPages(runs, allocation_id, self.page_size_tokens)
 
     def check_owned(self, handle: HostPages) -> None:
-        """Raise ``UnknownHostPagesError`` unless every page of ``handle`` is still held by it."""
+        """Raise ``UnknownHostPagesError`` unless ``handle`` is a live allocation of this pool."""
         if not isinstance(handle, HostPages):
             raise TypeError(f"expected HostPages, got {type(handle).__name__}")
-        owner, allocation = self._owner, handle.allocation_id
-        if any(start + n > self.capacity_pages or not (owner[start:start + n] == allocation).all()
-               for start, n in handle.runs):
+        if self._live.get(handle.allocation_id) != handle.runs:
             raise UnknownHostPagesError(
                 f"{handle!r} is not held by this pool: it was already released or comes from "
                 f"another service; use a handle returned by this service and release it once"
             )
 
-    def check_allocated(self, pages: np.ndarray, *, name: str) -> None:
-        """Raise unless every page (``int64 [n]``, in range) belongs to some live allocation."""
-        free = self._owner[pages] == 0
+    def check_allocated(self, pages: PageSeq, *, name: str) -> None:
+        """Raise unless every page (in range) belongs to some live allocation."""
+        if type(pages) is range:
+            owners = self._owner[pages.start:pages.stop]
+        else:
+            owners = self._owner[np.asarray(pages, dtype=np.int64)]
+        free = owners == 0
         if free.any():
-            page = int(pages[np.argmax(free)])
+            page = pages[int(np.argmax(free))]
             raise UnknownHostPagesError(
                 f"{name} names host page {page}, which no live allocation holds; host slots "
                 f"must come from allocate_host_pages() (and not be released yet)"
@@ -158,33 +171,46 @@ class HostPool:
     def release(self, handle: HostPages) -> None:
         """Return the pages of ``handle``; refuses (changing nothing) if a copy uses any of them."""
         self.check_owned(handle)
-        in_flight = self._in_flight
-        if any(in_flight[start:start + n].any() for start, n in handle.runs):
-            busy = in_flight[handle.pages] > 0
+        if self._in_flight and self.any_in_flight(handle.page_seq):
+            in_flight = self._in_flight
+            busy = [p for p in handle.page_seq if p in in_flight]
             raise PagesInFlightError(
-                f"{handle!r}: {int(busy.sum())} of its {handle.num_pages} pages are in flight "
-                f"(host page {int(handle.pages[np.argmax(busy)])} first); await the transfer "
-                f"that uses them before release()"
+                f"{handle!r}: {len(busy)} of its {handle.num_pages} pages are in flight "
+                f"(host page {busy[0]} first); await the transfer that uses them before release()"
             )
+        del self._live[handle.allocation_id]
         for start, n in handle.runs:
             self._owner[start:start + n] = 0
             self._extents.free(start, n)
 
     # --- in-flight state --------------------------------------------------------------------
 
-    def begin_copy(self, pages: np.ndarray) -> None:
+    def begin_copy(self, pages: Iterable[int]) -> None:
         """Mark ``pages`` (distinct) as used by one more copy; they cannot be released until
         :meth:`end_copy`."""
-        self._in_flight[pages] += 1
+        in_flight = self._in_flight
+        get = in_flight.get
+        for page in pages:
+            in_flight[page] = get(page, 0) + 1
 
-    def end_copy(self, pages: np.ndarray) -> None:
+    def end_copy(self, pages: Iterable[int]) -> None:
         """The copy that began on ``pages`` completed (or never started). Pages may repeat
         (one batch of several requests), each repeat ending one copy."""
-        np.subtract.at(self._in_flight, pages, 1)
-        assert (self._in_flight[pages] >= 0).all(), "end_copy without begin_copy"
+        in_flight = self._in_flight
+        for page in pages:
+            count = in_flight[page]  # KeyError: end_copy without begin_copy
+            if count == 1:
+                del in_flight[page]
+            else:
+                in_flight[page] = count - 1
 
-    def any_in_flight(self, pages: np.ndarray) -> bool:
-        return bool((self._in_flight[pages] > 0).any())
+    def any_in_flight(self, pages: PageSeq) -> bool:
+        in_flight = self._in_flight
+        if not in_flight:
+            return False
+        if len(in_flight) < len(pages) and type(pages) is range:
+            return any(page in pages for page in in_flight)
+        return any(page in in_flight for page in pages)
 
     def statistics(self) -> HostPoolStatistics:
         free = self._extents.free_pages
@@ -193,5 +219,5 @@ class HostPool:
             used_pages=self.capacity_pages - free,
             free_pages=free,
             largest_free_extent_pages=self._extents.largest_free_extent_pages,
-            in_flight_pages=int(np.count_nonzero(self._in_flight)),
+            in_flight_pages=len(self._in_flight),
         )

@@ -19,17 +19,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from .errors import ServiceClosedError
 from .host_pool import HostPages
 from .kinds import Direction, Timeliness
+from .page_seq import PageSeq
 
 if TYPE_CHECKING:
     from .scheduler import Scheduler
     from .transfer.batch import BatchHandle
 
-_EMPTY = np.zeros(0, dtype=np.int64)
+_EMPTY = range(0)
 _START_LOCK = threading.Lock()  # guards start waiters and timeliness marks of every request
 _seq = itertools.count()
 
@@ -56,26 +55,31 @@ class Request:
     """Internal state of one accepted request. Loop-thread only, except the marked fields."""
 
     __slots__ = (
-        "seq", "direction", "host_pages", "device_pages", "host_handle", "owns_host", "after",
-        "priority", "deadline", "submitted_at", "padding_tokens", "nbytes", "deps", "handle",
-        "batch_index", "state", "cancel_requested", "future", "started", "_start_waiter",
-        "layer_seen", "waiters",
+        "seq", "direction", "host_pages", "device_pages", "num_pages", "host_handle", "owns_host",
+        "after", "priority", "deadline", "sort_key", "submitted_at", "padding_tokens", "nbytes",
+        "deps", "handle", "batch_index", "state", "cancel_requested", "future", "started",
+        "_start_waiter", "layer_seen", "waiters",
         "__weakref__",
     )
 
-    def __init__(self, direction: Direction, device_pages: np.ndarray, *,
-                 host_pages: np.ndarray | None, host_handle: HostPages | None, owns_host: bool,
+    def __init__(self, direction: Direction, device_pages: PageSeq, *,
+                 host_pages: PageSeq | None, host_handle: HostPages | None, owns_host: bool,
                  after: object, priority: int, deadline: float, padding_tokens: int,
                  nbytes: int, future: asyncio.Future) -> None:
-        self.seq = next(_seq)
+        self.seq = seq = next(_seq)
         self.direction = direction
         self.device_pages = device_pages
+        self.num_pages = len(device_pages)
         self.host_pages = host_pages  # None until allocated (service-chosen host pages)
         self.host_handle = host_handle
         self.owns_host = owns_host
         self.after = after
         self.priority = priority
         self.deadline = deadline
+        #: queue order: prefetches by earliest deadline, then highest priority; backups by
+        #: highest priority; then submission order
+        self.sort_key = ((deadline, -priority, seq) if direction is Direction.H2D
+                         else (-priority, seq))
         self.submitted_at = time.perf_counter()
         self.padding_tokens = padding_tokens
         self.nbytes = nbytes
@@ -89,10 +93,6 @@ class Request:
         self._start_waiter: threading.Event | None = None  # made only if a thread waits
         self.layer_seen: bytearray | None = None  # timeliness per layer, created lazily
         self.waiters: list[asyncio.Future] = []  # one per task awaiting the Transfer
-
-    @property
-    def num_pages(self) -> int:
-        return int(self.device_pages.size)
 
     def mark_started(self) -> None:
         """Loop side: the copy was submitted, or the request ended. Wakes waiting threads."""
@@ -112,16 +112,11 @@ class Request:
             waiter = self._start_waiter
         return waiter.wait(timeout_s)
 
-    def read_and_write_pages(self) -> tuple[np.ndarray, np.ndarray]:
+    def read_and_write_pages(self) -> tuple[PageSeq, PageSeq]:
         host = self.host_pages if self.host_pages is not None else _EMPTY
         if self.direction is Direction.D2H:
             return self.device_pages, host
         return host, self.device_pages
-
-    def sort_key(self) -> tuple:
-        if self.direction is Direction.H2D:  # earliest deadline, then highest priority
-            return (self.deadline, -self.priority, self.seq)
-        return (-self.priority, self.seq)
 
 
 def _count_unseen_as_wasted(request: Request, record: Callable[[Timeliness, int], None]) -> None:

@@ -15,10 +15,10 @@ import asyncio
 import inspect
 import math
 import logging
+import operator
 import time
 from collections.abc import Callable
-
-import numpy as np
+from itertools import chain
 
 from .config import ServiceConfig
 from .errors import HostPoolExhausted, TransferFailedError
@@ -26,6 +26,7 @@ from .hazards import HazardTable
 from .host_pool import HostPool
 from .kinds import Direction, Outcome, Timeliness
 from .metrics import ServiceMetrics
+from .page_seq import concat_pages
 from .request import Request, RequestState, TransferResult
 from .transfer.base import TransferEngine
 from .transfer.batch import BatchHandle, CopyBatch, Dependency
@@ -36,6 +37,8 @@ HostPressureCallback = Callable[[int], object]
 
 #: State gauges are refreshed at most this often on the hot path (scrapes are seconds apart).
 PUBLISH_PERIOD_S = 0.05
+
+_SORT_KEY = operator.attrgetter("sort_key")
 
 
 class Scheduler:
@@ -54,6 +57,7 @@ class Scheduler:
         self.max_inflight_bytes = {Direction.D2H: config.max_inflight_bytes_d2h,
                                    Direction.H2D: config.max_inflight_bytes_h2d}
         self.queues: dict[Direction, list[Request]] = {d: [] for d in Direction}
+        self._queue_sorted = {d: True for d in Direction}  # appended in order: no sort needed
         self.inflight_bytes = {d: 0 for d in Direction}
         self.inflight_requests = 0
         self.hazards = HazardTable()
@@ -80,7 +84,10 @@ class Scheduler:
         self.hazards.admit(request)
         if request.host_pages is not None:
             self.pool.begin_copy(request.host_pages)  # pinned until the request ends
-        self.queues[request.direction].append(request)
+        queue = self.queues[request.direction]
+        if queue and request.sort_key < queue[-1].sort_key:
+            self._queue_sorted[request.direction] = False
+        queue.append(request)
         self._idle.clear()
         self.schedule_flush()  # the flush also publishes the queue depth
 
@@ -106,7 +113,9 @@ class Scheduler:
         queue = self.queues[direction]
         if not queue:
             return []
-        queue.sort(key=Request.sort_key)
+        if not self._queue_sorted[direction]:
+            queue.sort(key=_SORT_KEY)
+            self._queue_sorted[direction] = True
         room = self.max_inflight_bytes[direction] - self.inflight_bytes[direction]
         busy = self.inflight_bytes[direction] > 0
         chosen: list[Request] = []
@@ -114,13 +123,17 @@ class Scheduler:
         pages_needed = 0
         full = False
         for request in queue:
-            if full or any(dep.state is RequestState.QUEUED for dep, _ in request.deps):
+            if full:
                 kept.append(request)
                 continue
-            failed = self._failed_data_dependency(request)
-            if failed is not None:
-                self.finish(request, Outcome.FAILED, error=failed)
-                continue
+            if request.deps:
+                if any(dep.state is RequestState.QUEUED for dep, _ in request.deps):
+                    kept.append(request)
+                    continue
+                failed = self._failed_data_dependency(request)
+                if failed is not None:
+                    self.finish(request, Outcome.FAILED, error=failed)
+                    continue
             if request.nbytes > room and (busy or chosen):
                 full = True  # backpressure: wait for in-flight bytes to drain, keep order
                 kept.append(request)
@@ -158,8 +171,8 @@ class Scheduler:
             return False
         self._host_wait_since.pop(request, None)
         request.host_handle = handle
-        request.host_pages = handle.pages
-        self.pool.begin_copy(handle.pages)
+        request.host_pages = handle.page_seq
+        self.pool.begin_copy(handle.page_seq)
         self.hazards.register_fresh_host_writes(request)
         return True
 
@@ -177,8 +190,8 @@ class Scheduler:
                 after.append(request.after)
         batch = CopyBatch(
             direction,
-            np.concatenate([r.host_pages for r in requests]),
-            np.concatenate([r.device_pages for r in requests]),
+            concat_pages([r.host_pages for r in requests], offset),
+            concat_pages([r.device_pages for r in requests], offset),
             deps=tuple(Dependency(h, n) for h, n in deps.items()),
             after=tuple(after),
         )
@@ -210,7 +223,7 @@ class Scheduler:
                                       duration_s=handle.duration_s)
         else:
             self.metrics.record_batch_error(direction)
-        self.pool.end_copy(handle.batch.host_pages)  # every request's pin, in one update
+        self.pool.end_copy(chain.from_iterable(r.host_pages for r in requests))  # their pins
         now = time.perf_counter()
         ended: dict[Outcome, tuple[list[float], list[int]]] = {}
         for request in requests:

@@ -22,7 +22,6 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-import numpy as np
 from prometheus_client import CollectorRegistry
 
 from . import __version__
@@ -35,7 +34,7 @@ from .kinds import Backend, Direction, Outcome
 from .ledger import HostLedger
 from .loop_lag import EventLoopLagMonitor
 from .metrics import BudgetFigures, ServiceMetrics
-from .pages import as_index_array, checked_index_array, pair_tokens_to_pages, tokens_to_pages
+from .page_seq import PageSeq, paired_page_seqs, tokens_to_page_seq
 from .plan import reserve_host_pools
 from .request import NO_DEADLINE, Request, Transfer, TransferResult
 from .scheduler import HostPressureCallback, Scheduler
@@ -257,19 +256,17 @@ class OffloadService:
         """
         scheduler = self._running()
         ps = self.config.page_size_tokens
-        device, device_is_range = checked_index_array(device_tokens, name="device_tokens",
-                                                      upper_bound=self.device_pages * ps)
         if host_tokens is None:
-            paged = tokens_to_pages(device, ps, is_range=device_is_range)
-            device_pages, host_pages = paged.pages, None
-            padding, owns = paged.padding_tokens, True
+            device_pages, padding = tokens_to_page_seq(
+                device_tokens, name="device_tokens", upper_bound=self.device_pages * ps,
+                page_size_tokens=ps)
+            host_pages, owns = None, True
         else:
-            host = as_index_array(host_tokens, name="host_tokens",
-                                  upper_bound=self._pool.capacity_pages * ps)
-            pairs = pair_tokens_to_pages(host, device, ps)
-            self._pool.check_allocated(pairs.host_pages, name="host_tokens")
-            device_pages, host_pages = pairs.device_pages, pairs.host_pages
-            padding, owns = pairs.padding_tokens, False
+            host_pages, device_pages, padding = paired_page_seqs(
+                host_tokens, device_tokens, host_bound=self._pool.capacity_pages * ps,
+                device_bound=self.device_pages * ps, page_size_tokens=ps)
+            self._pool.check_allocated(host_pages, name="host_tokens")
+            owns = False
         return self._admit(scheduler, Direction.D2H, device_pages, host_pages, None, owns,
                            after, priority, NO_DEADLINE, padding)
 
@@ -284,8 +281,6 @@ class OffloadService:
         """
         scheduler = self._running()
         ps = self.config.page_size_tokens
-        device = as_index_array(device_tokens, name="device_tokens",
-                                upper_bound=self.device_pages * ps)
         if host is not None and host_tokens is not None:
             raise IndexValueError("pass a HostPages handle or host_tokens=, not both")
         if host is None and host_tokens is None:
@@ -296,19 +291,20 @@ class OffloadService:
                 raise IndexTypeError(
                     f"host must be a HostPages handle, got {type(host).__name__}; a bare "
                     f"tensor is ambiguous (tokens or pages?): pass host_tokens=tensor instead")
+            device_pages, padding = tokens_to_page_seq(
+                device_tokens, name="device_tokens", upper_bound=self.device_pages * ps,
+                page_size_tokens=ps)
             self._pool.check_owned(host)
-            paged = tokens_to_pages(device, ps)
-            if paged.num_pages != host.num_pages:
+            if len(device_pages) != host.num_pages:
                 raise IndexValueError(
-                    f"device_tokens cover {paged.num_pages} pages but {host!r} holds "
+                    f"device_tokens cover {len(device_pages)} pages but {host!r} holds "
                     f"{host.num_pages}; a prefetch pairs them page by page in order")
-            device_pages, host_pages, padding = paged.pages, host.pages, paged.padding_tokens
+            host_pages = host.page_seq
         else:
-            hosts = as_index_array(host_tokens, name="host_tokens",
-                                   upper_bound=self._pool.capacity_pages * ps)
-            pairs = pair_tokens_to_pages(hosts, device, ps)
-            self._pool.check_allocated(pairs.host_pages, name="host_tokens")
-            device_pages, host_pages, padding = pairs.device_pages, pairs.host_pages, pairs.padding_tokens
+            host_pages, device_pages, padding = paired_page_seqs(
+                host_tokens, device_tokens, host_bound=self._pool.capacity_pages * ps,
+                device_bound=self.device_pages * ps, page_size_tokens=ps)
+            self._pool.check_allocated(host_pages, name="host_tokens")
         if deadline_s is None:
             deadline = NO_DEADLINE
         elif isinstance(deadline_s, (int, float)) and not isinstance(deadline_s, bool) and \
@@ -319,8 +315,8 @@ class OffloadService:
         return self._admit(scheduler, Direction.H2D, device_pages, host_pages, None, False,
                            after, priority, deadline, padding)
 
-    def _admit(self, scheduler: Scheduler, direction: Direction, device_pages: np.ndarray,
-               host_pages: np.ndarray | None, host_handle: HostPages | None, owns_host: bool,
+    def _admit(self, scheduler: Scheduler, direction: Direction, device_pages: PageSeq,
+               host_pages: PageSeq | None, host_handle: HostPages | None, owns_host: bool,
                after: object, priority: int, deadline: float, padding: int) -> Transfer:
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise IndexTypeError(f"priority must be an int, got {priority!r}")
@@ -334,7 +330,7 @@ class OffloadService:
         request = Request(direction, device_pages, host_pages=host_pages, host_handle=host_handle,
                           owns_host=owns_host, after=producer, priority=priority,
                           deadline=deadline, padding_tokens=padding,
-                          nbytes=int(device_pages.size) * scheduler.bytes_per_page, future=future)
+                          nbytes=len(device_pages) * scheduler.bytes_per_page, future=future)
         transfer = Transfer(request, scheduler)
         if request.num_pages == 0:  # an empty request is a no-op, not an error
             scheduler.finish(request, Outcome.DONE, result=TransferResult(

@@ -87,12 +87,17 @@ def test_release_checks_ownership_and_in_flight_state():
     start = pool.statistics()
     h = pool.allocate(5)
     assert pool.statistics().used_pages == 5
-    pool.begin_copy(h.pages[:2])
+    pool.begin_copy(h.page_seq[:2])
+    pool.begin_copy(h.page_seq[1:2])  # a second copy of one page
     assert pool.statistics().in_flight_pages == 2
     with pytest.raises(PagesInFlightError, match="2 of its 5 pages are in flight"):
         pool.release(h)
     assert pool.statistics().used_pages == 5  # refusal changed nothing
-    pool.end_copy(h.pages[:2])
+    pool.end_copy(h.page_seq[:2])
+    assert pool.statistics().in_flight_pages == 1  # page 1 still has a copy
+    with pytest.raises(PagesInFlightError, match="1 of its 5 pages are in flight"):
+        pool.release(h)
+    pool.end_copy(h.page_seq[1:2])
     pool.release(h)
     with pytest.raises(UnknownHostPagesError, match="already released"):
         pool.release(h)
@@ -117,4 +122,6 @@ def test_unallocated_pages_are_refused_for_explicit_slots():
     h = pool.allocate(2)
     pool.check_allocated(h.pages, name="host_tokens")
     with pytest.raises(UnknownHostPagesError, match="host page 7"):
-        pool.check_allocated(np.array([0, 7]), name="host_tokens")
+        pool.check_allocated([0, 7], name="host_tokens")
+    with pytest.raises(UnknownHostPagesError, match="host page 2"):
+        pool.check_allocated(range(1, 4), name="host_tokens")

@@ -212,7 +212,7 @@ def test_arrival_model_shares_prompts_and_stays_within_bounds():
 
 def _hosted(key: str, allocation_id: int, pages: int) -> Segment:
     seg = Segment(key, 0, 64 * pages, 64, state=SegmentState.HOSTED)
-    seg.host = HostPages(np.arange(pages, dtype=np.int64), ((0, pages),), allocation_id, 64)
+    seg.host = HostPages(((0, pages),), allocation_id, 64)
     return seg
 
 
@@ -237,7 +237,7 @@ def test_reclaim_releases_least_recently_used_unheld_copies_until_enough():
 def test_dropping_a_held_handle_waits_for_the_last_hold():
     released: list[int] = []
     cache = HostCache(lambda handle: released.append(handle.allocation_id))
-    handle = HostPages(np.arange(2, dtype=np.int64), ((0, 2),), 9, 64)
+    handle = HostPages(((0, 2),), 9, 64)
     cache.hold(handle)
     cache.hold(handle)
     cache.drop(handle)
