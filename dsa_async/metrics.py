@@ -29,6 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from .batch_histogram import BatchHistogram
 from .errors import ConfigError
 from .kinds import Backend, BudgetKind, Direction, Outcome, PoolState, Timeliness
 
@@ -228,15 +229,15 @@ class ServiceMetrics:
                 registry=reg,
             )
         )
-        self._request_latency = per_direction(
-            Histogram(
-                PREFIX + "request_latency_seconds",
-                "Time from submit to the request's end (any outcome), by direction, in seconds.",
-                ["direction"],
-                buckets=buckets,
-                registry=reg,
-            )
+        # Observed a batch of requests at a time (see batch_histogram.py).
+        self._request_latency = BatchHistogram(
+            PREFIX + "request_latency_seconds",
+            "Time from submit to the request's end (any outcome), by direction, in seconds.",
+            "direction",
+            [d.value for d in Direction],
+            buckets,
         )
+        reg.register(self._request_latency)
         self._queue_depth = per_direction(
             Gauge(
                 PREFIX + "queue_depth",
@@ -336,7 +337,7 @@ class ServiceMetrics:
         if not isinstance(outcome, Outcome):
             raise ConfigError(f"outcome={outcome!r} is not an Outcome member")
         _pick(self._requests, (direction, outcome), "(direction, outcome)").inc()
-        self._request_latency[direction].observe(latency_s)
+        self._request_latency.observe_many(direction.value, (latency_s,))
         self._padding_bytes[direction].inc(padding_bytes)
 
     def record_requests(self, direction: Direction, outcome: Outcome, latencies_s: list[float],
@@ -346,9 +347,7 @@ class ServiceMetrics:
         if not isinstance(outcome, Outcome):
             raise ConfigError(f"outcome={outcome!r} is not an Outcome member")
         _pick(self._requests, (direction, outcome), "(direction, outcome)").inc(len(latencies_s))
-        histogram = self._request_latency[direction]
-        for latency_s in latencies_s:
-            histogram.observe(latency_s)
+        self._request_latency.observe_many(direction.value, latencies_s)
         self._padding_bytes[direction].inc(padding_bytes)
 
     def set_queue_depth(self, direction: Direction, requests: int) -> None:
