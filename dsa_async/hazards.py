@@ -59,7 +59,7 @@ class HazardTable:
             else:
                 pending.append(request)
         if found:
-            request.deps.extend(found.values())
+            request.deps = (*request.deps, *found.values())
 
     def register_fresh_host_writes(self, request: Request) -> None:
         """Register host pages allocated after admission (they were free: nothing to follow)."""

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from .transfer.batch import BatchHandle
 
 _EMPTY = range(0)
-_START_LOCK = threading.Lock()  # guards start waiters and timeliness marks of every request
+_START_LOCK = threading.Lock()  # guards creating start waiters and timeliness marks
 _seq = itertools.count()
 
 
@@ -62,16 +62,15 @@ class Request:
         "__weakref__",
     )
 
-    def __init__(self, direction: Direction, device_pages: PageSeq, *,
-                 host_pages: PageSeq | None, host_handle: HostPages | None, owns_host: bool,
-                 after: object, priority: int, deadline: float, padding_tokens: int,
-                 nbytes: int, future: asyncio.Future) -> None:
+    def __init__(self, direction: Direction, device_pages: PageSeq, host_pages: PageSeq | None,
+                 owns_host: bool, after: object, priority: int, deadline: float,
+                 padding_tokens: int, nbytes: int, future: asyncio.Future) -> None:
         self.seq = seq = next(_seq)
         self.direction = direction
         self.device_pages = device_pages
         self.num_pages = len(device_pages)
         self.host_pages = host_pages  # None until allocated (service-chosen host pages)
-        self.host_handle = host_handle
+        self.host_handle: HostPages | None = None  # set when the service allocates host pages
         self.owns_host = owns_host
         self.after = after
         self.priority = priority
@@ -83,7 +82,8 @@ class Request:
         self.submitted_at = time.perf_counter()
         self.padding_tokens = padding_tokens
         self.nbytes = nbytes
-        self.deps: list[tuple[Request, bool]] = []
+        #: earlier requests this one follows, and whether it needs their data (hazards.py)
+        self.deps: tuple[tuple[Request, bool], ...] = ()
         self.handle: BatchHandle | None = None  # set on the loop; read by threads once `started`
         self.batch_index = 0  # position of this request's pages in its batch
         self.state = RequestState.QUEUED
@@ -92,24 +92,29 @@ class Request:
         self.started = False  # `handle` exists, or the request ended before it could start
         self._start_waiter: threading.Event | None = None  # made only if a thread waits
         self.layer_seen: bytearray | None = None  # timeliness per layer, created lazily
-        self.waiters: list[asyncio.Future] = []  # one per task awaiting the Transfer
+        self.waiters: list[asyncio.Future] | None = None  # one per task awaiting the Transfer
 
     def mark_started(self) -> None:
-        """Loop side: the copy was submitted, or the request ended. Wakes waiting threads."""
-        with _START_LOCK:
-            self.started = True
-            waiter = self._start_waiter
+        """Loop side: the copy was submitted, or the request ended. Wakes waiting threads.
+
+        Lock-free on the loop: ``started`` is set before the waiter is read, and a waiting
+        thread reads ``started`` again after publishing its waiter, so one of the two always
+        sees the other (the interpreter orders these attribute accesses)."""
+        self.started = True
+        waiter = self._start_waiter
         if waiter is not None:
             waiter.set()
 
     def wait_started(self, timeout_s: float | None) -> bool:
         """Thread side: block until :meth:`mark_started`; ``False`` on timeout."""
-        with _START_LOCK:
-            if self.started:
-                return True
+        if self.started:
+            return True
+        with _START_LOCK:  # threads agree on one waiter
             if self._start_waiter is None:
                 self._start_waiter = threading.Event()
             waiter = self._start_waiter
+        if self.started:  # it started while the waiter was being published
+            return True
         return waiter.wait(timeout_s)
 
     def read_and_write_pages(self) -> tuple[PageSeq, PageSeq]:
@@ -189,7 +194,10 @@ class Transfer:
             # cancels only the waiter, never the request or other waiters (like shield(),
             # without its extra loop hop).
             waiter = future.get_loop().create_future()
-            request.waiters.append(waiter)
+            if request.waiters is None:
+                request.waiters = [waiter]
+            else:
+                request.waiters.append(waiter)
             waited_from = time.perf_counter()
             try:
                 await waiter

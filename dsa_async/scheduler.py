@@ -281,9 +281,10 @@ class Scheduler:
             future.set_exception(error)
         else:
             future.cancel()
-        for waiter in request.waiters:
-            if not waiter.done():
-                waiter.set_result(None)  # the awaiting task reads request.future itself
+        if request.waiters:
+            for waiter in request.waiters:
+                if not waiter.done():
+                    waiter.set_result(None)  # the awaiting task reads request.future itself
         request.mark_started()  # wake forward-pass threads waiting for a start
         for _layer, layer_future in self._pending_layers.pop(request, ()):
             if not layer_future.done():

@@ -267,7 +267,7 @@ class OffloadService:
                 device_bound=self.device_pages * ps, page_size_tokens=ps)
             self._pool.check_allocated(host_pages, name="host_tokens")
             owns = False
-        return self._admit(scheduler, Direction.D2H, device_pages, host_pages, None, owns,
+        return self._admit(scheduler, Direction.D2H, device_pages, host_pages, owns,
                            after, priority, NO_DEADLINE, padding)
 
     def prefetch(self, host: HostPages | None, device_tokens, *, host_tokens=None, after=None,
@@ -312,11 +312,11 @@ class OffloadService:
             deadline = self._loop.time() + deadline_s
         else:
             raise IndexValueError(f"deadline_s must be a finite number of seconds, got {deadline_s!r}")
-        return self._admit(scheduler, Direction.H2D, device_pages, host_pages, None, False,
+        return self._admit(scheduler, Direction.H2D, device_pages, host_pages, False,
                            after, priority, deadline, padding)
 
     def _admit(self, scheduler: Scheduler, direction: Direction, device_pages: PageSeq,
-               host_pages: PageSeq | None, host_handle: HostPages | None, owns_host: bool,
+               host_pages: PageSeq | None, owns_host: bool,
                after: object, priority: int, deadline: float, padding: int) -> Transfer:
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise IndexTypeError(f"priority must be an int, got {priority!r}")
@@ -327,17 +327,15 @@ class OffloadService:
                 f"await earlier transfers before submitting more, or raise the bound")
         producer = self._producer(after, direction)
         future = self._loop.create_future()
-        request = Request(direction, device_pages, host_pages=host_pages, host_handle=host_handle,
-                          owns_host=owns_host, after=producer, priority=priority,
-                          deadline=deadline, padding_tokens=padding,
-                          nbytes=len(device_pages) * scheduler.bytes_per_page, future=future)
+        request = Request(direction, device_pages, host_pages, owns_host, producer, priority,
+                          deadline, padding, len(device_pages) * scheduler.bytes_per_page, future)
         transfer = Transfer(request, scheduler)
         if request.num_pages == 0:  # an empty request is a no-op, not an error
             scheduler.finish(request, Outcome.DONE, result=TransferResult(
                 direction, 0, 0, padding, 0.0, None))
             return transfer
         if isinstance(after, Transfer):
-            request.deps.append((after._request, False))  # ordered after that request's copy
+            request.deps = (*request.deps, (after._request, False))  # after that request's copy
         scheduler.accept(request)
         return transfer
 
