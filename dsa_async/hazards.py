@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .kinds import Direction
+from .kinds import D2H, H2D
 
 if TYPE_CHECKING:
     from .request import Request
@@ -25,18 +25,18 @@ if TYPE_CHECKING:
 class HazardTable:
     def __init__(self) -> None:
         # page -> last writer still pending, and page -> readers still pending
-        self._writer = {Direction.D2H: {}, Direction.H2D: {}}  # D2H writes host, H2D device
-        self._readers = {Direction.D2H: {}, Direction.H2D: {}}  # D2H reads device, H2D host
+        self._writer = {D2H: {}, H2D: {}}  # D2H writes host, H2D device
+        self._readers = {D2H: {}, H2D: {}}  # D2H reads device, H2D host
 
     def admit(self, request: Request) -> None:
         """Record ``request``'s dependencies on earlier requests and register its pages."""
         d = request.direction
-        other = Direction.H2D if d is Direction.D2H else Direction.D2H
+        other = H2D if d is D2H else D2H
         reads, writes = request.read_and_write_pages()
         found: dict[int, tuple[Request, bool]] = {}  # id -> (earlier request, needs its data)
         # What I read was last written by the other direction: read-after-write.
         writer_of_reads = self._writer[other]
-        needs_data = d is Direction.H2D  # a prefetch needs the backup's bytes
+        needs_data = d is H2D  # a prefetch needs the backup's bytes
         for page in reads:
             w = writer_of_reads.get(page)
             if w is not None:
@@ -63,7 +63,7 @@ class HazardTable:
 
     def register_fresh_host_writes(self, request: Request) -> None:
         """Register host pages allocated after admission (they were free: nothing to follow)."""
-        writers = self._writer[Direction.D2H]
+        writers = self._writer[D2H]
         for page in request.host_pages:
             writers[page] = request
 

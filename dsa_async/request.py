@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from .errors import ServiceClosedError
 from .host_pool import HostPages
-from .kinds import Direction, Timeliness
+from .kinds import D2H, H2D, Direction, Timeliness
 from .page_seq import PageSeq
 
 if TYPE_CHECKING:
@@ -37,6 +37,9 @@ class RequestState(enum.Enum):
     QUEUED = "queued"  #: accepted, not yet given to the engine
     SUBMITTED = "submitted"  #: its copy is in the engine
     FINISHED = "finished"
+
+
+QUEUED, SUBMITTED, FINISHED = RequestState.QUEUED, RequestState.SUBMITTED, RequestState.FINISHED
 
 
 @dataclass(frozen=True)
@@ -77,7 +80,7 @@ class Request:
         self.deadline = deadline
         #: queue order: prefetches by earliest deadline, then highest priority; backups by
         #: highest priority; then submission order
-        self.sort_key = ((deadline, -priority, seq) if direction is Direction.H2D
+        self.sort_key = ((deadline, -priority, seq) if direction is H2D
                          else (-priority, seq))
         self.submitted_at = time.perf_counter()
         self.padding_tokens = padding_tokens
@@ -86,7 +89,7 @@ class Request:
         self.deps: tuple[tuple[Request, bool], ...] = ()
         self.handle: BatchHandle | None = None  # set on the loop; read by threads once `started`
         self.batch_index = 0  # position of this request's pages in its batch
-        self.state = RequestState.QUEUED
+        self.state = QUEUED
         self.cancel_requested = False
         self.future = future
         self.started = False  # `handle` exists, or the request ended before it could start
@@ -119,13 +122,13 @@ class Request:
 
     def read_and_write_pages(self) -> tuple[PageSeq, PageSeq]:
         host = self.host_pages if self.host_pages is not None else _EMPTY
-        if self.direction is Direction.D2H:
+        if self.direction is D2H:
             return self.device_pages, host
         return host, self.device_pages
 
 
 def _count_unseen_as_wasted(request: Request, record: Callable[[Timeliness, int], None]) -> None:
-    if request.direction is not Direction.H2D or request.future.cancelled():
+    if request.direction is not H2D or request.future.cancelled():
         return
     seen = request.layer_seen
     total = request.handle.num_layers if request.handle is not None else 0
@@ -142,7 +145,7 @@ class Transfer:
     def __init__(self, request: Request, scheduler: Scheduler) -> None:
         self._request = request
         self._scheduler = scheduler
-        if request.direction is Direction.H2D:
+        if request.direction is H2D:
             weakref.finalize(self, _count_unseen_as_wasted, request, scheduler.record_layers)
 
     @property
@@ -188,7 +191,7 @@ class Transfer:
     async def _wait(self) -> TransferResult:
         request = self._request
         future = request.future
-        prefetch = request.direction is Direction.H2D
+        prefetch = request.direction is H2D
         if not future.done():
             # A waiter of our own, resolved when the request ends: cancelling this task
             # cancels only the waiter, never the request or other waiters (like shield(),
@@ -248,7 +251,7 @@ class Transfer:
         self._classify(layer, time.perf_counter() - waited_from)
 
     def _check_layer(self, layer: int) -> None:
-        if self._request.direction is not Direction.H2D:
+        if self._request.direction is not H2D:
             raise TypeError("per-layer readiness belongs to prefetches; await the eviction")
         layers = self._scheduler.num_layers
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < layers:

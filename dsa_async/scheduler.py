@@ -24,10 +24,10 @@ from .config import ServiceConfig
 from .errors import HostPoolExhausted, TransferFailedError
 from .hazards import HazardTable
 from .host_pool import HostPool
-from .kinds import Direction, Outcome, Timeliness
+from .kinds import CANCELLED, D2H, DONE, FAILED, H2D, Direction, Outcome, Timeliness
 from .metrics import ServiceMetrics
 from .page_seq import concat_pages
-from .request import Request, RequestState, TransferResult
+from .request import FINISHED, QUEUED, SUBMITTED, Request, TransferResult
 from .transfer.base import TransferEngine
 from .transfer.batch import BatchHandle, CopyBatch, Dependency
 
@@ -54,8 +54,8 @@ class Scheduler:
         self.num_layers = config.num_layers
         self.bytes_per_page = pool.bytes_per_page
         self.bytes_per_token = sum(g.bytes_per_token for g in config.geometries)
-        self.max_inflight_bytes = {Direction.D2H: config.max_inflight_bytes_d2h,
-                                   Direction.H2D: config.max_inflight_bytes_h2d}
+        self.max_inflight_bytes = {D2H: config.max_inflight_bytes_d2h,
+                                   H2D: config.max_inflight_bytes_h2d}
         self.queues: dict[Direction, list[Request]] = {d: [] for d in Direction}
         self._queue_sorted = {d: True for d in Direction}  # appended in order: no sort needed
         self.inflight_bytes = {d: 0 for d in Direction}
@@ -77,7 +77,7 @@ class Scheduler:
 
     @property
     def queued_requests(self) -> int:
-        return len(self.queues[Direction.D2H]) + len(self.queues[Direction.H2D])
+        return len(self.queues[D2H]) + len(self.queues[H2D])
 
     def accept(self, request: Request) -> None:
         """Queue an admitted request (validated by the service). Does not block."""
@@ -102,7 +102,7 @@ class Scheduler:
         progress = True
         while progress:  # a submitted backup can make a queued prefetch ready
             progress = False
-            for direction in (Direction.H2D, Direction.D2H):
+            for direction in (H2D, D2H):
                 chosen = self._take_ready(direction)
                 if chosen:
                     self._submit(direction, chosen)
@@ -127,12 +127,12 @@ class Scheduler:
                 kept.append(request)
                 continue
             if request.deps:
-                if any(dep.state is RequestState.QUEUED for dep, _ in request.deps):
+                if any(dep.state is QUEUED for dep, _ in request.deps):
                     kept.append(request)
                     continue
                 failed = self._failed_data_dependency(request)
                 if failed is not None:
-                    self.finish(request, Outcome.FAILED, error=failed)
+                    self.finish(request, FAILED, error=failed)
                     continue
             if request.nbytes > room and (busy or chosen):
                 full = True  # backpressure: wait for in-flight bytes to drain, keep order
@@ -152,7 +152,7 @@ class Scheduler:
     @staticmethod
     def _failed_data_dependency(request: Request) -> BaseException | None:
         for dep, needs_data in request.deps:
-            if needs_data and dep.state is RequestState.FINISHED and (
+            if needs_data and dep.state is FINISHED and (
                 dep.future.cancelled() or dep.future.exception() is not None
             ):
                 return TransferFailedError(
@@ -184,7 +184,7 @@ class Scheduler:
             request.batch_index = offset
             offset += request.num_pages
             for dep, needs_data in request.deps:
-                if dep.state is RequestState.SUBMITTED and dep.handle is not None:
+                if dep.state is SUBMITTED and dep.handle is not None:
                     deps[dep.handle] = deps.get(dep.handle, False) or needs_data
             if request.after is not None:
                 after.append(request.after)
@@ -198,16 +198,17 @@ class Scheduler:
         handle = self.engine.submit(batch)
         self._batches[handle] = requests
         nbytes = 0
+        pending_layers = self._pending_layers
         for request in requests:
             request.handle = handle
-            request.state = RequestState.SUBMITTED
+            request.state = SUBMITTED
             request.mark_started()
             nbytes += request.nbytes
-            for layer, future in self._pending_layers.pop(request, ()):
-                self._watch_layer(handle, layer, future)
-        self.inflight_bytes[direction] += nbytes
+            if pending_layers:
+                for layer, future in pending_layers.pop(request, ()):
+                    self._watch_layer(handle, layer, future)
+        self.inflight_bytes[direction] += nbytes  # the gauge follows in publish_state()
         self.inflight_requests += len(requests)
-        self.metrics.set_inflight_bytes(direction, self.inflight_bytes[direction])
 
     # --- completion -----------------------------------------------------------------------
 
@@ -230,17 +231,17 @@ class Scheduler:
             self.inflight_bytes[direction] -= request.nbytes
             self.inflight_requests -= 1
             if request.cancel_requested:
-                outcome, result, failure = Outcome.CANCELLED, None, None
+                outcome, result, failure = CANCELLED, None, None
             elif error is not None:
-                outcome, result = Outcome.FAILED, None
+                outcome, result = FAILED, None
                 failure = TransferFailedError(
                     f"{direction.value} copy of {request.num_pages} pages failed: {error!r}")
                 failure.__cause__ = error
             else:
-                outcome, failure = Outcome.DONE, None
+                outcome, failure = DONE, None
                 result = TransferResult(
                     direction, request.num_pages, request.nbytes, request.padding_tokens,
-                    handle.duration_s, request.host_handle if direction is Direction.D2H else None)
+                    handle.duration_s, request.host_handle if direction is D2H else None)
             latencies, paddings = ended.setdefault(outcome, ([], []))
             latencies.append(now - request.submitted_at)
             paddings.append(request.padding_tokens)
@@ -262,22 +263,23 @@ class Scheduler:
 
     def _end(self, request: Request, outcome: Outcome, result: TransferResult | None,
              error: BaseException | None, *, pinned: bool) -> None:
-        assert request.state is not RequestState.FINISHED
-        if request.state is RequestState.QUEUED:
+        assert request.state is not FINISHED
+        if request.state is QUEUED:
             self.queues[request.direction] = [r for r in self.queues[request.direction]
                                               if r is not request]
-        request.state = RequestState.FINISHED
-        self._host_wait_since.pop(request, None)
+        request.state = FINISHED
+        if self._host_wait_since:
+            self._host_wait_since.pop(request, None)
         self.hazards.retire(request)
         if pinned and request.host_pages is not None:
             self.pool.end_copy(request.host_pages)
-        if request.owns_host and outcome is not Outcome.DONE and request.host_handle is not None:
+        if request.owns_host and outcome is not DONE and request.host_handle is not None:
             self._orphans.append(request.host_handle)
             self._free_orphans()
         future = request.future
-        if outcome is Outcome.DONE:
+        if outcome is DONE:
             future.set_result(result)
-        elif outcome is Outcome.FAILED:
+        elif outcome is FAILED:
             future.set_exception(error)
         else:
             future.cancel()
@@ -286,16 +288,19 @@ class Scheduler:
                 if not waiter.done():
                     waiter.set_result(None)  # the awaiting task reads request.future itself
         request.mark_started()  # wake forward-pass threads waiting for a start
-        for _layer, layer_future in self._pending_layers.pop(request, ()):
-            if not layer_future.done():
-                layer_future.set_exception(error) if error else layer_future.cancel()
-        if not self._batches and not self.queued_requests:
+        if self._pending_layers:
+            for _layer, layer_future in self._pending_layers.pop(request, ()):
+                if not layer_future.done():
+                    layer_future.set_exception(error) if error else layer_future.cancel()
+        if not self._batches and not self.queues[D2H] and not self.queues[H2D]:
             self._idle.set()
 
     def _free_orphans(self) -> None:
+        if not self._orphans:
+            return
         still = []
         for handle in self._orphans:
-            if self.pool.any_in_flight(handle.pages):
+            if self.pool.any_in_flight(handle.page_seq):
                 still.append(handle)
             else:
                 self.pool.release(handle)
@@ -304,10 +309,10 @@ class Scheduler:
     # --- cancellation ---------------------------------------------------------------------
 
     def cancel(self, request: Request) -> bool:
-        if request.state is RequestState.FINISHED:
+        if request.state is FINISHED:
             return False
-        if request.state is RequestState.QUEUED:
-            self.finish(request, Outcome.CANCELLED)
+        if request.state is QUEUED:
+            self.finish(request, CANCELLED)
             self.schedule_flush()  # and republish the pool gauges
         else:
             request.cancel_requested = True  # the copy completes first; then it returns pages
@@ -348,7 +353,7 @@ class Scheduler:
         for request, since in list(self._host_wait_since.items()):
             if now - since >= timeout:
                 stats = self.pool.statistics()
-                self.finish(request, Outcome.FAILED, error=HostPoolExhausted(
+                self.finish(request, FAILED, error=HostPoolExhausted(
                     f"eviction of {request.num_pages} pages waited {timeout:g} s for host "
                     f"pages: needed {request.num_pages}, free {stats.free_pages}, capacity "
                     f"{stats.capacity_pages} pages; release host pages (or register "
@@ -436,12 +441,12 @@ class Scheduler:
         copies already running complete (never torn), and after another ``timeout_s`` copies
         still blocked on a producer that never finished are abandoned (they fail)."""
         for request in list(self._host_wait_since):
-            self.finish(request, Outcome.CANCELLED)
+            self.finish(request, CANCELLED)
         self.schedule_flush()
         if not await self._idle_within(timeout_s):
             for direction in Direction:
                 for request in list(self.queues[direction]):
-                    self.finish(request, Outcome.CANCELLED)
+                    self.finish(request, CANCELLED)
             if not await self._idle_within(timeout_s):
                 log.error("close(): %d requests still wait for a producer or dependency after "
                           "%.3g s; abandoning them", self.inflight_requests, 2 * timeout_s)

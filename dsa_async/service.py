@@ -30,7 +30,7 @@ from .config import ServiceConfig
 from .errors import (ConfigError, HostPoolExhausted, IndexTypeError, IndexValueError,
                      QueueFullError, ServiceClosedError)
 from .host_pool import HostPages, HostPool
-from .kinds import Backend, Direction, Outcome
+from .kinds import D2H, DONE, H2D, Backend, Direction
 from .ledger import HostLedger
 from .loop_lag import EventLoopLagMonitor
 from .metrics import BudgetFigures, ServiceMetrics
@@ -267,7 +267,7 @@ class OffloadService:
                 device_bound=self.device_pages * ps, page_size_tokens=ps)
             self._pool.check_allocated(host_pages, name="host_tokens")
             owns = False
-        return self._admit(scheduler, Direction.D2H, device_pages, host_pages, owns,
+        return self._admit(scheduler, D2H, device_pages, host_pages, owns,
                            after, priority, NO_DEADLINE, padding)
 
     def prefetch(self, host: HostPages | None, device_tokens, *, host_tokens=None, after=None,
@@ -312,7 +312,7 @@ class OffloadService:
             deadline = self._loop.time() + deadline_s
         else:
             raise IndexValueError(f"deadline_s must be a finite number of seconds, got {deadline_s!r}")
-        return self._admit(scheduler, Direction.H2D, device_pages, host_pages, False,
+        return self._admit(scheduler, H2D, device_pages, host_pages, False,
                            after, priority, deadline, padding)
 
     def _admit(self, scheduler: Scheduler, direction: Direction, device_pages: PageSeq,
@@ -331,7 +331,7 @@ class OffloadService:
                           deadline, padding, len(device_pages) * scheduler.bytes_per_page, future)
         transfer = Transfer(request, scheduler)
         if request.num_pages == 0:  # an empty request is a no-op, not an error
-            scheduler.finish(request, Outcome.DONE, result=TransferResult(
+            scheduler.finish(request, DONE, result=TransferResult(
                 direction, 0, 0, padding, 0.0, None))
             return transfer
         if isinstance(after, Transfer):
@@ -341,7 +341,7 @@ class OffloadService:
 
     def _producer(self, after: object, direction: Direction) -> object | None:
         if after is None:
-            return self._engine.capture_producer() if direction is Direction.D2H else None
+            return self._engine.capture_producer() if direction is D2H else None
         if isinstance(after, Transfer):
             return None  # ordered through the scheduler, as a dependency
         return self._engine.normalize_after(after)
