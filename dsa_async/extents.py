@@ -59,6 +59,26 @@ class ExtentAllocator:
         runs.sort()
         return runs
 
+    def first_free(self, pages: range | list[int]) -> int | None:
+        """The first of ``pages`` (in their order) that is free, or ``None`` if all are taken."""
+        starts, lengths = self._starts, self._lengths
+        if not starts:
+            return None
+        if type(pages) is range and pages.step == 1:
+            if not pages:
+                return None
+            i = bisect.bisect_right(starts, pages.start) - 1  # the extent at or before start
+            if i >= 0 and starts[i] + lengths[starts[i]] > pages.start:
+                return pages.start
+            if i + 1 < len(starts) and starts[i + 1] < pages.stop:
+                return starts[i + 1]
+            return None
+        for page in pages:
+            i = bisect.bisect_right(starts, page) - 1
+            if i >= 0 and starts[i] + lengths[starts[i]] > page:
+                return page
+        return None
+
     def _take(self, start: int, num_pages: int) -> None:
         length = self._lengths.pop(start)
         i = bisect.bisect_left(self._starts, start)

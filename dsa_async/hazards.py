@@ -34,13 +34,19 @@ class HazardTable:
         other = H2D if d is D2H else D2H
         reads, writes = request.read_and_write_pages()
         found: dict[int, tuple[Request, bool]] = {}  # id -> (earlier request, needs its data)
-        # What I read was last written by the other direction: read-after-write.
-        writer_of_reads = self._writer[other]
+        # What I read was last written by the other direction: read-after-write. And I am one
+        # more pending reader of it.
+        writer_of_reads, readers_of_mine = self._writer[other], self._readers[d]
         needs_data = d is H2D  # a prefetch needs the backup's bytes
         for page in reads:
             w = writer_of_reads.get(page)
             if w is not None:
                 found.setdefault(id(w), (w, needs_data))
+            pending = readers_of_mine.get(page)
+            if pending is None:
+                readers_of_mine[page] = [request]
+            else:
+                pending.append(request)
         # What I write: after its last writer (same direction) and its pending readers.
         if writes:
             writer_of_writes, readers_of_writes = self._writer[d], self._readers[other]
@@ -51,13 +57,6 @@ class HazardTable:
                 for r in readers_of_writes.get(page, ()):
                     found.setdefault(id(r), (r, False))
                 writer_of_writes[page] = request
-        readers_of_mine = self._readers[d]
-        for page in reads:
-            pending = readers_of_mine.get(page)
-            if pending is None:
-                readers_of_mine[page] = [request]
-            else:
-                pending.append(request)
         if found:
             request.deps = (*request.deps, *found.values())
 

@@ -7,11 +7,10 @@ is the CUDA backend's job (it registers exactly these bytes). Arena shapes::
     HostLayout.LAYER_FIRST: [num_layers, capacity_pages, bytes_per_page_per_layer]
     HostLayout.PAGE_FIRST:  [capacity_pages, num_layers, bytes_per_page_per_layer]
 
-Page states live in one table: ``owner`` (0 = free, else the allocation that holds the page)
-and ``in_flight`` (how many copies read or write the page right now; a dict holding only the
-pages in flight, because requests touch a few pages each and numpy costs more than a dict
-look-up at that size). A page with a copy in
-flight cannot be released. Not thread-safe: owned by the event loop; every method is
+Page states: free or held (the extent allocator's free extents; ``_live`` maps each live
+allocation id to its runs) and in flight (how many copies read or write the page right now: a
+dict holding only pages in flight, since requests touch a few pages each and a dict look-up
+costs less than a numpy call at that size). A page with a copy in flight cannot be released. Not thread-safe: owned by the event loop; every method is
 non-blocking except :meth:`HostPool.create`, which allocates and zero-fills the arenas.
 """
 
@@ -96,7 +95,6 @@ class HostPool:
         self.arenas: dict[str, torch.Tensor] = {}
         self.startup_s = 0.0
         self._extents = ExtentAllocator(capacity_pages)
-        self._owner = np.zeros(capacity_pages, dtype=np.int64)  # page -> allocation id (0: free)
         self._live: dict[int, tuple[tuple[int, int], ...]] = {}  # allocation id -> its runs
         self._in_flight: dict[int, int] = {}  # page -> copies using it now (only pages > 0)
 
@@ -137,9 +135,6 @@ class HostPool:
         if runs is None:
             return None
         allocation_id = next(_ALLOCATION_IDS)
-        owner = self._owner
-        for start, n in runs:
-            owner[start:start + n] = allocation_id
         runs = tuple(runs)
         self._live[allocation_id] = runs
         return HostPages(runs, allocation_id, self.page_size_tokens)
@@ -156,13 +151,8 @@ class HostPool:
 
     def check_allocated(self, pages: PageSeq, *, name: str) -> None:
         """Raise unless every page (in range) belongs to some live allocation."""
-        if type(pages) is range:
-            owners = self._owner[pages.start:pages.stop]
-        else:
-            owners = self._owner[np.asarray(pages, dtype=np.int64)]
-        free = owners == 0
-        if free.any():
-            page = pages[int(np.argmax(free))]
+        page = self._extents.first_free(pages)
+        if page is not None:
             raise UnknownHostPagesError(
                 f"{name} names host page {page}, which no live allocation holds; host slots "
                 f"must come from allocate_host_pages() (and not be released yet)"
@@ -180,7 +170,6 @@ class HostPool:
             )
         del self._live[handle.allocation_id]
         for start, n in handle.runs:
-            self._owner[start:start + n] = 0
             self._extents.free(start, n)
 
     # --- in-flight state --------------------------------------------------------------------

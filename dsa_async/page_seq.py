@@ -70,7 +70,7 @@ def compact(pages: np.ndarray) -> PageSeq:
     return pages.tolist()
 
 
-def tokens_to_page_seq(tokens: IndexLike, *, name: str, upper_bound: int,
+def tokens_to_page_seq(tokens: IndexLike, name: str, upper_bound: int,
                        page_size_tokens: int) -> tuple[PageSeq, int]:
     """The whole pages holding ``tokens`` and the padding tokens that come along.
 

@@ -169,7 +169,8 @@ class Scheduler:
                 self._host_wait_since[request] = self.loop.time()
                 self._arm_expiry()
             return False
-        self._host_wait_since.pop(request, None)
+        if self._host_wait_since:
+            self._host_wait_since.pop(request, None)
         request.host_handle = handle
         request.host_pages = handle.page_seq
         self.pool.begin_copy(handle.page_seq)
@@ -227,9 +228,9 @@ class Scheduler:
         self.pool.end_copy(chain.from_iterable(r.host_pages for r in requests))  # their pins
         now = time.perf_counter()
         ended: dict[Outcome, tuple[list[float], list[int]]] = {}
+        nbytes, duration_s, eviction = 0, handle.duration_s, direction is D2H
         for request in requests:
-            self.inflight_bytes[direction] -= request.nbytes
-            self.inflight_requests -= 1
+            nbytes += request.nbytes
             if request.cancel_requested:
                 outcome, result, failure = CANCELLED, None, None
             elif error is not None:
@@ -241,11 +242,15 @@ class Scheduler:
                 outcome, failure = DONE, None
                 result = TransferResult(
                     direction, request.num_pages, request.nbytes, request.padding_tokens,
-                    handle.duration_s, request.host_handle if direction is D2H else None)
-            latencies, paddings = ended.setdefault(outcome, ([], []))
-            latencies.append(now - request.submitted_at)
-            paddings.append(request.padding_tokens)
+                    duration_s, request.host_handle if eviction else None)
+            figures = ended.get(outcome)
+            if figures is None:
+                figures = ended[outcome] = ([], [])
+            figures[0].append(now - request.submitted_at)
+            figures[1].append(request.padding_tokens)
             self._end(request, outcome, result, failure, pinned=False)
+        self.inflight_bytes[direction] -= nbytes
+        self.inflight_requests -= len(requests)
         for outcome, (latencies, paddings) in ended.items():
             self.metrics.record_requests(direction, outcome, latencies,
                                          sum(paddings) * self.bytes_per_token)

@@ -66,6 +66,10 @@ class ServiceStatistics:
     inflight_requests: int
 
 
+def _no_producer() -> None:
+    return None
+
+
 def _make_engine(backend: Backend, *args, **kwargs) -> TransferEngine:
     if backend is Backend.CUDA:
         from .transfer.cuda import CudaEngine
@@ -103,6 +107,8 @@ class OffloadService:
         self._buffers = buffers
         self._fault_hook = fault_hook
         self._engine_factory = engine_factory  # None: the backend's engine
+        self._max_queued_requests = config.max_queued_requests
+        self._capture_producer: Callable[[], object | None] = _no_producer
         self._state = ServiceState.NEW
         self._closed = asyncio.Event()
         self._scheduler: Scheduler | None = None
@@ -115,6 +121,8 @@ class OffloadService:
         self.metrics: ServiceMetrics | None = None
         self.backend = Backend.AUTO
         self.device_pages = 0
+        self._device_token_bound = self._host_token_bound = 0  # token slots on each side
+        self._page_size_tokens = config.page_size_tokens
         self.plan = None
 
     # --- lifecycle ------------------------------------------------------------------------
@@ -149,6 +157,8 @@ class OffloadService:
         bindings = {g.name: bind_pool(g, self._pool.arenas[g.name], self._buffers[g.name])
                     for g in config.geometries}
         self.device_pages = min(b.device_pages for b in bindings.values())
+        self._device_token_bound = self.device_pages * config.page_size_tokens
+        self._host_token_bound = self._pool.capacity_pages * config.page_size_tokens
         self.metrics = ServiceMetrics(self.registry, version=__version__, backend=self.backend,
                                       budget_reader=self._read_budget)
         self.metrics.observe_pool_allocation(self._pool.startup_s)
@@ -160,6 +170,7 @@ class OffloadService:
             factory, bindings, handoff, self._on_batch_done, fault_hook=self._fault_hook)
         self._scheduler = Scheduler(config, self._pool, self._engine, self.metrics, loop,
                                     self._pressure)
+        self._capture_producer = self._engine.capture_producer
         self._lag_monitor = EventLoopLagMonitor(self.metrics.observe_loop_lag)
         self._lag_monitor.start()
         self._scheduler.publish_state(now=True)
@@ -206,6 +217,7 @@ class OffloadService:
         if self._lag_monitor is not None:
             await self._lag_monitor.stop()
             self._lag_monitor = None
+        self._capture_producer = _no_producer  # it holds the engine, and so the arenas
         if self._engine is not None:
             engine, self._engine = self._engine, None
             await asyncio.to_thread(engine.close)
@@ -255,16 +267,14 @@ class OffloadService:
         ``after`` (a producer) or, on CUDA, the caller's current stream. Does not block.
         """
         scheduler = self._running()
-        ps = self.config.page_size_tokens
         if host_tokens is None:
             device_pages, padding = tokens_to_page_seq(
-                device_tokens, name="device_tokens", upper_bound=self.device_pages * ps,
-                page_size_tokens=ps)
+                device_tokens, "device_tokens", self._device_token_bound, self._page_size_tokens)
             host_pages, owns = None, True
         else:
             host_pages, device_pages, padding = paired_page_seqs(
-                host_tokens, device_tokens, host_bound=self._pool.capacity_pages * ps,
-                device_bound=self.device_pages * ps, page_size_tokens=ps)
+                host_tokens, device_tokens, host_bound=self._host_token_bound,
+                device_bound=self._device_token_bound, page_size_tokens=self._page_size_tokens)
             self._pool.check_allocated(host_pages, name="host_tokens")
             owns = False
         return self._admit(scheduler, D2H, device_pages, host_pages, owns,
@@ -280,7 +290,6 @@ class OffloadService:
         on the loop's clock; earlier deadlines, then larger ``priority``, go first. Does not block.
         """
         scheduler = self._running()
-        ps = self.config.page_size_tokens
         if host is not None and host_tokens is not None:
             raise IndexValueError("pass a HostPages handle or host_tokens=, not both")
         if host is None and host_tokens is None:
@@ -292,8 +301,7 @@ class OffloadService:
                     f"host must be a HostPages handle, got {type(host).__name__}; a bare "
                     f"tensor is ambiguous (tokens or pages?): pass host_tokens=tensor instead")
             device_pages, padding = tokens_to_page_seq(
-                device_tokens, name="device_tokens", upper_bound=self.device_pages * ps,
-                page_size_tokens=ps)
+                device_tokens, "device_tokens", self._device_token_bound, self._page_size_tokens)
             self._pool.check_owned(host)
             if len(device_pages) != host.num_pages:
                 raise IndexValueError(
@@ -302,8 +310,8 @@ class OffloadService:
             host_pages = host.page_seq
         else:
             host_pages, device_pages, padding = paired_page_seqs(
-                host_tokens, device_tokens, host_bound=self._pool.capacity_pages * ps,
-                device_bound=self.device_pages * ps, page_size_tokens=ps)
+                host_tokens, device_tokens, host_bound=self._host_token_bound,
+                device_bound=self._device_token_bound, page_size_tokens=self._page_size_tokens)
             self._pool.check_allocated(host_pages, name="host_tokens")
         if deadline_s is None:
             deadline = NO_DEADLINE
@@ -320,12 +328,15 @@ class OffloadService:
                after: object, priority: int, deadline: float, padding: int) -> Transfer:
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise IndexTypeError(f"priority must be an int, got {priority!r}")
-        if scheduler.queued_requests >= self.config.max_queued_requests:
+        if scheduler.queued_requests >= self._max_queued_requests:
             raise QueueFullError(
                 f"{scheduler.queued_requests} requests are queued, the bound "
                 f"(ServiceConfig.max_queued_requests) is {self.config.max_queued_requests}; "
                 f"await earlier transfers before submitting more, or raise the bound")
-        producer = self._producer(after, direction)
+        if after is None:  # evictions wait for the caller's current stream (CUDA)
+            producer = self._capture_producer() if direction is D2H else None
+        else:
+            producer = self._producer(after)
         future = self._loop.create_future()
         request = Request(direction, device_pages, host_pages, owns_host, producer, priority,
                           deadline, padding, len(device_pages) * scheduler.bytes_per_page, future)
@@ -339,9 +350,7 @@ class OffloadService:
         scheduler.accept(request)
         return transfer
 
-    def _producer(self, after: object, direction: Direction) -> object | None:
-        if after is None:
-            return self._engine.capture_producer() if direction is D2H else None
+    def _producer(self, after: object) -> object | None:
         if isinstance(after, Transfer):
             return None  # ordered through the scheduler, as a dependency
         return self._engine.normalize_after(after)

@@ -125,3 +125,18 @@ def test_unallocated_pages_are_refused_for_explicit_slots():
         pool.check_allocated([0, 7], name="host_tokens")
     with pytest.raises(UnknownHostPagesError, match="host page 2"):
         pool.check_allocated(range(1, 4), name="host_tokens")
+
+
+@given(st.lists(st.integers(1, 6), min_size=1, max_size=12), st.data())
+def test_first_free_page_matches_a_page_by_page_scan(sizes, data):
+    alloc = ExtentAllocator(40)
+    held = [r for n in sizes if (r := alloc.allocate(n))]
+    for i in data.draw(st.sets(st.integers(0, len(held) - 1))) if held else ():
+        for start, n in held[i]:
+            alloc.free(start, n)
+    free = {s + i for s, n in alloc.free_extents for i in range(n)}
+    start, stop = data.draw(st.integers(0, 40)), data.draw(st.integers(0, 40))
+    pages = data.draw(st.one_of(st.just(range(start, stop)),
+                                st.lists(st.integers(0, 39), max_size=8)))
+    expected = next((p for p in pages if p in free), None)
+    assert alloc.first_free(pages) == expected
