@@ -12,7 +12,7 @@ All functions are pure and non-blocking.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Sequence
 from itertools import chain
 
 import numpy as np
@@ -110,13 +110,9 @@ def paired_page_seqs(host_tokens: IndexLike, device_tokens: IndexLike, *, host_b
     return compact(pairs.host_pages), compact(pairs.device_pages), pairs.padding_tokens
 
 
-def concat_pages(seqs: Iterable[PageSeq], count: int) -> np.ndarray:
+def concat_pages(seqs: Sequence[PageSeq], count: int) -> np.ndarray:
     """One ``int64 [count]`` array of the pages of ``seqs``, in order (one per copy batch)."""
+    if len(seqs) == 1 and type(seqs[0]) is range:  # a batch of one request
+        return np.arange(seqs[0].start, seqs[0].stop, dtype=np.int64)
     return np.fromiter(chain.from_iterable(seqs), dtype=np.int64, count=count)
 
-
-def as_page_seq(pages: PageSeq | np.ndarray) -> PageSeq:
-    """Pages given as a sequence or an ``int64`` array, as a :data:`PageSeq`."""
-    if isinstance(pages, np.ndarray):
-        return compact(pages)
-    return pages

@@ -99,6 +99,7 @@ class Scheduler:
 
     def _flush(self) -> None:
         self._flush_handle = None
+        queues = self.queues
         progress = True
         while progress:  # a submitted backup can make a queued prefetch ready
             progress = False
@@ -106,7 +107,7 @@ class Scheduler:
                 chosen = self._take_ready(direction)
                 if chosen:
                     self._submit(direction, chosen)
-                    progress = True
+                    progress = bool(queues[H2D] or queues[D2H])  # else nothing is left to try
         self.publish_state()
 
     def _take_ready(self, direction: Direction) -> list[Request]:

@@ -55,7 +55,8 @@ class BatchHandle:
 
     ``layers_ready``: leading layers whose copy completed; ``layers_issued``: leading layers
     whose copy was enqueued (equal to ``layers_ready`` on CPU; ahead of it on CUDA, where each
-    issued layer has an event in ``layer_events``). ``done`` is set once, after success or error.
+    issued layer has an event in ``layer_events``). ``done`` (an Event-like view of ``finished``)
+    is set once, after success or error.
     """
 
     def __init__(self, batch: CopyBatch, num_layers: int) -> None:
@@ -66,39 +67,51 @@ class BatchHandle:
         self.layer_events: list[object] = []
         self.error: BaseException | None = None
         self.duration_s = 0.0
-        self.done = threading.Event()
-        self._cond = threading.Condition()
+        self.finished = False  #: set once, after success or error (see ``done``)
+        # One plain lock guards the state; the condition threads block on is made only when a
+        # thread first waits (most batches are never waited on from a thread).
+        self._lock = threading.Lock()
+        self._cond: threading.Condition | None = None
         self._layer_waiters: list[tuple[int, Callable[[], None]]] = []
+        self.done = _Done(self)
+
+    def _notify(self) -> None:
+        """Wake blocked threads. Call with ``_lock`` held."""
+        if self._cond is not None:
+            self._cond.notify_all()
 
     # --- engine side ----------------------------------------------------------------------
 
     def mark_issued(self, layers: int) -> None:
-        with self._cond:
+        with self._lock:
             self.layers_issued = layers
-            self._cond.notify_all()
+            self._notify()
 
     def mark_ready(self, layers: int) -> list[Callable[[], None]]:
         """Advance readiness; returns the loop callbacks now due (the engine hands them off)."""
-        with self._cond:
+        with self._lock:
             self.layers_ready = layers
             self.layers_issued = max(self.layers_issued, layers)
-            ready = sorted((w for w in self._layer_waiters if w[0] < layers), key=lambda w: w[0])
-            due = [cb for _, cb in ready]  # in layer order, even when a group lands at once
-            self._layer_waiters = [(i, cb) for i, cb in self._layer_waiters if i >= layers]
-            self._cond.notify_all()
+            due: list[Callable[[], None]] = []
+            if self._layer_waiters:
+                ready = sorted((w for w in self._layer_waiters if w[0] < layers),
+                               key=lambda w: w[0])
+                due = [cb for _, cb in ready]  # in layer order, even when a group lands at once
+                self._layer_waiters = [(i, cb) for i, cb in self._layer_waiters if i >= layers]
+            self._notify()
         return due
 
     def finish(self, error: BaseException | None, duration_s: float) -> list[Callable[[], None]]:
         """Record the outcome and set ``done``; returns every pending loop callback."""
-        with self._cond:
+        with self._lock:
             self.error = error
             self.duration_s = duration_s
             if error is None:
                 self.layers_ready = self.layers_issued = self.num_layers
             due = [cb for _, cb in self._layer_waiters]
             self._layer_waiters = []
-            self.done.set()
-            self._cond.notify_all()
+            self.finished = True
+            self._notify()
         return due
 
     # --- waiter side ----------------------------------------------------------------------
@@ -108,8 +121,8 @@ class BatchHandle:
 
         Returns ``False`` (and registers nothing) if that already happened: call it yourself.
         """
-        with self._cond:
-            if layer < self.layers_ready or self.done.is_set():
+        with self._lock:
+            if layer < self.layers_ready or self.finished:
                 return False
             self._layer_waiters.append((layer, callback))
             return True
@@ -122,10 +135,17 @@ class BatchHandle:
         """Block the calling thread until ``layer`` is ready; raise if the batch failed."""
         self._wait_until(lambda: self.layers_ready > layer, layer, "ready", timeout_s)
 
+    def wait_for(self, predicate: Callable[[], bool], timeout_s: float | None) -> bool:
+        """Block the calling thread until ``predicate()`` (read under the lock) is true or the
+        timeout passes; returns the predicate's last value."""
+        with self._lock:
+            if self._cond is None:
+                self._cond = threading.Condition(self._lock)
+            return self._cond.wait_for(predicate, timeout_s)
+
     def _wait_until(self, reached: Callable[[], bool], layer: int, what: str,
                     timeout_s: float | None) -> None:
-        with self._cond:
-            ok = self._cond.wait_for(lambda: reached() or self.done.is_set(), timeout_s)
+        ok = self.wait_for(lambda: reached() or self.finished, timeout_s)
         self._raise_if_failed(layer)
         if not ok:
             raise TimeoutError(f"layer {layer} of batch {self.batch.batch_id} not {what} in time")
@@ -136,3 +156,23 @@ class BatchHandle:
                 f"{self.batch.direction.value} batch {self.batch.batch_id} failed before "
                 f"layer {layer} was ready: {self.error!r}"
             ) from self.error
+
+
+class _Done:
+    """``handle.done``: the batch finished (success or error), with ``threading.Event``'s
+    ``is_set()`` and ``wait(timeout)``; set by the engine through :meth:`BatchHandle.finish`."""
+
+    __slots__ = ("_handle",)
+
+    def __init__(self, handle: BatchHandle) -> None:
+        self._handle = handle
+
+    def is_set(self) -> bool:
+        return self._handle.finished
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block the calling thread until the batch finished; ``False`` on timeout."""
+        handle = self._handle
+        if handle.finished:
+            return True
+        return handle.wait_for(lambda: handle.finished, timeout)
