@@ -15,7 +15,7 @@ import math
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -185,10 +185,7 @@ class Transfer:
         """The result of a finished request (raises as ``Future.result`` does)."""
         return self._request.future.result()
 
-    def __await__(self):
-        return self._wait().__await__()
-
-    async def _wait(self) -> TransferResult:
+    def __await__(self) -> Generator[object, None, TransferResult]:
         request = self._request
         future = request.future
         prefetch = request.direction is H2D
@@ -203,7 +200,7 @@ class Transfer:
                 request.waiters.append(waiter)
             waited_from = time.perf_counter()
             try:
-                await waiter
+                yield from waiter
             finally:
                 request.waiters.remove(waiter)
                 if prefetch:
