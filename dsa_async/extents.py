@@ -1,10 +1,14 @@
 """A page-extent allocator: free space as extents, best-fit runs, merging on free.
 
-Free space is a sorted list of extent starts plus a map start -> length. Allocation prefers the
-smallest free extent that holds the whole request (one contiguous run, best fit); otherwise it
-takes the largest extents first, which yields the fewest runs. Freed extents merge with free
-neighbours, so a pool whose pages were all returned is one free extent again. Every operation is
-O(free extents) or better; nothing is per token. Not thread-safe: one owner (the event loop).
+Free space is kept twice: by address (a sorted list of extent starts plus a map start ->
+length, for merging neighbours and for "is this page free?") and by size (a sorted list of the
+distinct free lengths, each with its starts in address order). Allocation takes the smallest
+free extent that holds the whole request (one contiguous run, best fit; the lowest address
+among equals); otherwise it takes the largest extents first, which yields the fewest runs.
+Freed extents merge with free neighbours, so a pool whose pages were all returned is one free
+extent again. A best-fit allocation or a free is O(log extents) look-ups plus list inserts
+(memmoves), so a fragmented pool stays fast; nothing is per page or per token. Not
+thread-safe: one owner (the event loop).
 """
 
 from __future__ import annotations
@@ -18,9 +22,13 @@ class ExtentAllocator:
     def __init__(self, capacity_pages: int) -> None:
         assert capacity_pages >= 0
         self.capacity_pages = capacity_pages
-        self._starts: list[int] = [0] if capacity_pages else []
-        self._lengths: dict[int, int] = {0: capacity_pages} if capacity_pages else {}
-        self.free_pages = capacity_pages
+        self._starts: list[int] = []  # free extent starts, ascending
+        self._lengths: dict[int, int] = {}  # free extent start -> length
+        self._sizes: list[int] = []  # distinct free extent lengths, ascending
+        self._by_size: dict[int, list[int]] = {}  # length -> starts of that length, ascending
+        self.free_pages = 0
+        if capacity_pages:
+            self.free(0, capacity_pages)
 
     @property
     def free_extents(self) -> list[tuple[int, int]]:
@@ -29,29 +37,28 @@ class ExtentAllocator:
 
     @property
     def largest_free_extent_pages(self) -> int:
-        return max(self._lengths.values(), default=0)
+        return self._sizes[-1] if self._sizes else 0
 
     def allocate(self, num_pages: int) -> list[tuple[int, int]] | None:
         """Take ``num_pages`` pages as runs, or return ``None`` (and change nothing) if short."""
         assert num_pages > 0
         if num_pages > self.free_pages:
             return None
-        best = None
-        for start in self._starts:
-            length = self._lengths[start]
-            if length >= num_pages and (best is None or length < self._lengths[best]):
-                best = start
-                if length == num_pages:
-                    break
-        if best is not None:
-            self._take(best, num_pages)
-            return [(best, num_pages)]
+        sizes = self._sizes
+        i = bisect.bisect_left(sizes, num_pages)
+        if i < len(sizes):  # best fit: the smallest extent that holds it all
+            start = self._by_size[sizes[i]][0]
+            self._take(start, num_pages)
+            return [(start, num_pages)]
         runs = []
         needed = num_pages
-        for start in sorted(self._starts, key=self._lengths.__getitem__, reverse=True):
-            take = min(needed, self._lengths[start])
-            runs.append((start, take))
-            needed -= take
+        for length in reversed(sizes):  # the largest extents first: the fewest runs
+            for start in self._by_size[length]:
+                take = min(needed, length)
+                runs.append((start, take))
+                needed -= take
+                if not needed:
+                    break
             if not needed:
                 break
         for start, take in runs:
@@ -79,30 +86,86 @@ class ExtentAllocator:
                 return page
         return None
 
+    def _bucket_add(self, length: int, start: int) -> None:
+        bucket = self._by_size.get(length)
+        if bucket is None:
+            self._by_size[length] = [start]
+            bisect.insort(self._sizes, length)
+        elif start > bucket[-1]:
+            bucket.append(start)
+        else:
+            bisect.insort(bucket, start)
+
+    def _bucket_remove(self, length: int, start: int) -> None:
+        bucket = self._by_size[length]
+        if len(bucket) == 1:
+            del self._by_size[length]
+            del self._sizes[bisect.bisect_left(self._sizes, length)]
+        else:
+            del bucket[bisect.bisect_left(bucket, start)]
+
+    def _resize(self, old_start: int, old_length: int, new_start: int, new_length: int) -> None:
+        """Move the size index entry of one free extent (its address slot is the caller's)."""
+        sizes, by_size = self._sizes, self._by_size
+        bucket = by_size[old_length]
+        if len(bucket) == 1 and new_length not in by_size:
+            j = bisect.bisect_left(sizes, old_length)
+            low, high = ((new_length, old_length) if new_length < old_length
+                         else (old_length, new_length))
+            if (j == 0 or sizes[j - 1] < low) and (j + 1 == len(sizes) or sizes[j + 1] > high):
+                # Alone at its length before and after, with no length in between: it keeps
+                # its slot (the common case when one large extent feeds many allocations).
+                sizes[j] = new_length
+                del by_size[old_length]
+                by_size[new_length] = bucket
+                bucket[0] = new_start
+                return
+        self._bucket_remove(old_length, old_start)
+        self._bucket_add(new_length, new_start)
+
     def _take(self, start: int, num_pages: int) -> None:
+        """Take the first ``num_pages`` of the free extent at ``start``."""
         length = self._lengths.pop(start)
         i = bisect.bisect_left(self._starts, start)
-        if length == num_pages:
-            del self._starts[i]
+        if length > num_pages:  # the rest stays free, in the same place in address order
+            rest = start + num_pages
+            self._starts[i] = rest
+            self._lengths[rest] = length - num_pages
+            self._resize(start, length, rest, length - num_pages)
         else:
-            self._starts[i] = start + num_pages
-            self._lengths[start + num_pages] = length - num_pages
+            del self._starts[i]
+            self._bucket_remove(length, start)
         self.free_pages -= num_pages
 
     def free(self, start: int, num_pages: int) -> None:
         """Return one run; the caller guarantees it is allocated (the pool checks page states)."""
         assert num_pages > 0 and 0 <= start and start + num_pages <= self.capacity_pages
-        i = bisect.bisect_left(self._starts, start)
-        prev_start = self._starts[i - 1] if i > 0 else None
-        next_start = self._starts[i] if i < len(self._starts) else None
+        starts, lengths = self._starts, self._lengths
+        i = bisect.bisect_left(starts, start)
+        prev_start = starts[i - 1] if i > 0 else None
+        next_start = starts[i] if i < len(starts) else None
         assert next_start is None or start + num_pages <= next_start, "overlaps a free extent"
-        assert prev_start is None or prev_start + self._lengths[prev_start] <= start
+        assert prev_start is None or prev_start + lengths[prev_start] <= start
         self.free_pages += num_pages
-        if next_start is not None and start + num_pages == next_start:
-            num_pages += self._lengths.pop(next_start)
-            del self._starts[i]
-        if prev_start is not None and prev_start + self._lengths[prev_start] == start:
-            self._lengths[prev_start] += num_pages
+        merge_next = next_start is not None and start + num_pages == next_start
+        merge_prev = prev_start is not None and prev_start + lengths[prev_start] == start
+        if merge_next and merge_prev:  # three extents become one
+            next_length = lengths.pop(next_start)
+            self._bucket_remove(next_length, next_start)
+            del starts[i]
+            prev_length = lengths[prev_start]
+            lengths[prev_start] = prev_length + num_pages + next_length
+            self._resize(prev_start, prev_length, prev_start, lengths[prev_start])
+        elif merge_next:  # the next extent now starts here
+            next_length = lengths.pop(next_start)
+            starts[i] = start
+            lengths[start] = num_pages + next_length
+            self._resize(next_start, next_length, start, num_pages + next_length)
+        elif merge_prev:
+            prev_length = lengths[prev_start]
+            lengths[prev_start] = prev_length + num_pages
+            self._resize(prev_start, prev_length, prev_start, prev_length + num_pages)
         else:
-            self._starts.insert(i, start)
-            self._lengths[start] = num_pages
+            starts.insert(i, start)
+            lengths[start] = num_pages
+            self._bucket_add(num_pages, start)

@@ -12,6 +12,24 @@ from dsa_async.geometry import HostLayout, dsa_indexer, mla_kv
 from dsa_async.host_pool import HostPool
 
 
+def _reference_choice(extents: list[tuple[int, int]], size: int) -> list[tuple[int, int]] | None:
+    """Best fit by a scan in address order (the smallest extent that holds it all, the lowest
+    address among equals); else the largest extents first."""
+    if sum(n for _, n in extents) < size:
+        return None
+    fits = [(n, s) for s, n in extents if n >= size]
+    if fits:
+        _, start = min(fits)
+        return [(start, size)]
+    runs, needed = [], size
+    for s, n in sorted(extents, key=lambda e: (-e[1], e[0])):
+        runs.append((s, min(n, needed)))
+        needed -= runs[-1][1]
+        if not needed:
+            break
+    return sorted(runs)
+
+
 @settings(max_examples=200)
 @given(st.lists(st.tuples(st.booleans(), st.integers(1, 40), st.integers(0, 1000)), max_size=80))
 def test_allocator_never_hands_out_a_page_twice_and_merges_back(ops):
@@ -21,7 +39,9 @@ def test_allocator_never_hands_out_a_page_twice_and_merges_back(ops):
     owned = np.zeros(capacity, dtype=bool)
     for is_alloc, size, pick in ops:
         if is_alloc or not held:
+            expected = _reference_choice(alloc.free_extents, size)
             runs = alloc.allocate(size)
+            assert runs == expected
             if runs is None:
                 assert alloc.free_pages < size
                 continue
@@ -37,6 +57,7 @@ def test_allocator_never_hands_out_a_page_twice_and_merges_back(ops):
                 owned[s:s + n] = False
         assert alloc.free_pages == capacity - owned.sum()
         extents = alloc.free_extents
+        assert alloc.largest_free_extent_pages == max((n for _, n in extents), default=0)
         for (s1, n1), (s2, _) in zip(extents, extents[1:]):
             assert s1 + n1 < s2, "adjacent free extents must be merged"
     for runs in held:
@@ -56,6 +77,29 @@ def test_allocation_prefers_one_best_fit_run():
     assert alloc.allocate(5) == [(40, 5)]  # best fit, not first fit
     alloc.free(*b[0])  # 0..40 free again (merged)
     assert alloc.free_extents == [(0, 40)]
+
+
+def test_best_fit_takes_the_lowest_address_among_equal_extents():
+    alloc = ExtentAllocator(20)
+    runs = [alloc.allocate(2)[0] for _ in range(10)]
+    for start, n in (runs[7], runs[2], runs[5]):  # three free extents of 2 pages, freed out of order
+        alloc.free(start, n)
+    assert alloc.allocate(2) == [runs[2]]
+    assert alloc.allocate(1) == [(runs[5][0], 1)]  # the smallest that holds it: still 2 pages
+    assert alloc.allocate(1) == [(runs[5][0] + 1, 1)]  # now an exact fit
+
+
+def test_best_fit_finds_the_one_extent_that_fits_in_a_fragmented_pool():
+    alloc = ExtentAllocator(40_000)
+    held = [alloc.allocate(2) for _ in range(20_000)]
+    for runs in held[::2]:
+        for start, n in runs:
+            alloc.free(start, n)  # 10,000 free extents of 2 pages
+    assert alloc.largest_free_extent_pages == 2
+    alloc.free(*held[12_345][0])  # merges with both neighbours: one 6-page extent
+    assert alloc.largest_free_extent_pages == 6
+    assert alloc.allocate(5) == [(held[12_344][0][0], 5)]
+    assert alloc.largest_free_extent_pages == 2
 
 
 def test_fallback_uses_the_fewest_runs():
