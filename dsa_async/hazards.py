@@ -33,7 +33,7 @@ class HazardTable:
         d = request.direction
         other = H2D if d is D2H else D2H
         reads, writes = request.read_and_write_pages()
-        found: dict[int, tuple[Request, bool]] = {}  # id -> (earlier request, needs its data)
+        found: dict[int, tuple[Request, bool]] | None = None  # id -> (request, needs its data)
         # What I read was last written by the other direction: read-after-write. And I am one
         # more pending reader of it.
         writer_of_reads, readers_of_mine = self._writer[other], self._readers[d]
@@ -41,6 +41,7 @@ class HazardTable:
         for page in reads:
             w = writer_of_reads.get(page)
             if w is not None:
+                found = found if found is not None else {}
                 found.setdefault(id(w), (w, needs_data))
             pending = readers_of_mine.get(page)
             if pending is None:
@@ -53,9 +54,13 @@ class HazardTable:
             for page in writes:
                 w = writer_of_writes.get(page)
                 if w is not None:
+                    found = found if found is not None else {}
                     found.setdefault(id(w), (w, False))
-                for r in readers_of_writes.get(page, ()):
-                    found.setdefault(id(r), (r, False))
+                readers = readers_of_writes.get(page)
+                if readers:
+                    found = found if found is not None else {}
+                    for r in readers:
+                        found.setdefault(id(r), (r, False))
                 writer_of_writes[page] = request
         if found:
             request.deps = (*request.deps, *found.values())
