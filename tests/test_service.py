@@ -357,3 +357,25 @@ async def test_close_frees_the_arenas_even_while_transfers_are_kept(tmp_path):
         arena = weakref.ref(service.host_pool.arenas["indexer"])
     gc.collect()
     assert arena() is None and kept.done()
+
+
+async def test_cancelling_a_queued_rewrite_keeps_later_loads_behind_the_running_backup(tmp_path):
+    # Two backups into the same host slot: the second waits (backpressure) behind the first,
+    # which waits on its producer. Cancelling the second must not hide the first from a load.
+    service, buffers = make_service(tmp_path, max_inflight_bytes_d2h=3 * 8448)
+    async with service, asyncio.timeout(BOUND_S):
+        expected = page_bytes(buffers, [2])
+        slot = service.allocate_host_pages(1)
+        gate = threading.Event()
+        first = service.evict(tokens([2]), host_tokens=slot.token_indices(), after=gate)
+        second = service.evict(tokens([3]), host_tokens=slot.token_indices())
+        await asyncio.sleep(0)  # one tick: the first is submitted, the second stays queued
+        assert second.cancel() and second.cancelled()
+        load = service.prefetch(None, tokens([5]), host_tokens=slot.token_indices())
+        assert first._request in [dep for dep, needs_data in load._request.deps if needs_data], \
+            "the load must follow the backup still writing its host page"
+        gate.set()
+        await first
+        await load
+        _assert_pages_equal(expected, buffers, [5])
+        service.release(slot)
