@@ -27,21 +27,37 @@ if TYPE_CHECKING:
 _PageTable = dict[int, list["Request"]]
 
 
-def _remove(table: _PageTable, pages, request: Request) -> None:
+def _remove(table: _PageTable, pages, request: Request, other: _PageTable | None) -> int:
+    """Drop ``request`` from ``pages`` of ``table``; returns how many pages are now in neither
+    ``table`` nor ``other`` (when ``other`` is given: the host side's two tables)."""
+    idle = 0
     for page in pages:
         pending = table.get(page)
         if pending is not None:
             if len(pending) == 1:
                 if pending[0] is request:
                     del table[page]
+                    if other is not None and page not in other:
+                        idle += 1
             else:
                 pending.remove(request)
+    return idle
 
 
 class HazardTable:
     def __init__(self) -> None:
         self._writers: dict = {D2H: {}, H2D: {}}  # D2H writes host pages, H2D device pages
         self._readers: dict = {D2H: {}, H2D: {}}  # D2H reads device pages, H2D host pages
+        #: host pages a pending copy reads or writes (a key of either host-side table); they
+        #: cannot be released
+        self.busy_host_pages = 0
+
+    def host_pages_busy(self, pages) -> list[int]:
+        """Those of ``pages`` (host pages) that a pending copy reads or writes."""
+        writers, readers = self._writers[D2H], self._readers[H2D]
+        if not writers and not readers:
+            return []
+        return [p for p in pages if p in writers or p in readers]
 
     def admit(self, request: Request) -> None:
         """Record ``request``'s dependencies on earlier requests and register its pages."""
@@ -54,6 +70,8 @@ class HazardTable:
         writers_of_reads: _PageTable = self._writers[other]
         readers_of_mine: _PageTable = self._readers[d]
         needs_data = d is H2D  # a prefetch needs the backup's bytes
+        # Host pages: a prefetch reads them, a backup writes them.
+        host_side_other = self._writers[D2H] if d is H2D else self._readers[H2D]
         for page in reads:
             writers = writers_of_reads.get(page)
             if writers:
@@ -63,6 +81,8 @@ class HazardTable:
             pending = readers_of_mine.get(page)
             if pending is None:
                 readers_of_mine[page] = [request]
+                if needs_data and page not in host_side_other:
+                    self.busy_host_pages += 1
             else:
                 pending.append(request)
         # What I write: after its pending writers (same direction) and readers (other one).
@@ -80,6 +100,8 @@ class HazardTable:
                         found.setdefault(id(r), (r, False))
                 if writers is None:
                     writers_of_writes[page] = [request]
+                    if not needs_data and page not in host_side_other:
+                        self.busy_host_pages += 1
                 else:
                     writers.append(request)
         if found:
@@ -88,16 +110,24 @@ class HazardTable:
     def register_fresh_host_writes(self, request: Request) -> None:
         """Register host pages allocated after admission (they were free: nothing to follow)."""
         writers: _PageTable = self._writers[D2H]
+        readers: _PageTable = self._readers[H2D]
         for page in request.host_pages:
-            assert page not in writers, "a free host page had a pending backup"
+            assert page not in writers and page not in readers, "a free host page was in use"
             writers[page] = [request]
+        self.busy_host_pages += len(request.host_pages)
 
     def retire(self, request: Request) -> None:
         """Forget ``request`` (it ended: done, failed or cancelled)."""
         d = request.direction
         reads, writes = request.read_and_write_pages()
-        _remove(self._writers[d], writes, request)
-        _remove(self._readers[d], reads, request)
+        if d is D2H:  # writes host pages
+            self.busy_host_pages -= _remove(self._writers[D2H], writes, request,
+                                            self._readers[H2D])
+            _remove(self._readers[D2H], reads, request, None)
+        else:  # reads host pages
+            _remove(self._writers[H2D], writes, request, None)
+            self.busy_host_pages -= _remove(self._readers[H2D], reads, request,
+                                            self._writers[D2H])
 
     def __len__(self) -> int:
         return sum(len(t) for t in self._writers.values()) + sum(

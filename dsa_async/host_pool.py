@@ -7,10 +7,9 @@ is the CUDA backend's job (it registers exactly these bytes). Arena shapes::
     HostLayout.LAYER_FIRST: [num_layers, capacity_pages, bytes_per_page_per_layer]
     HostLayout.PAGE_FIRST:  [capacity_pages, num_layers, bytes_per_page_per_layer]
 
-Page states: free or held (the extent allocator's free extents; ``_live`` maps each live
-allocation id to its runs) and in flight (how many copies read or write the page right now: a
-dict holding only pages in flight, since requests touch a few pages each and a dict look-up
-costs less than a numpy call at that size). A page with a copy in flight cannot be released. Not thread-safe: owned by the event loop; every method is
+Page states here: free or held (the extent allocator's free extents; ``_live`` maps each live
+allocation id to its runs). Which held pages a copy uses right now is the scheduler's hazard
+table (one table of page states for ordering and for refusing a release). Not thread-safe: owned by the event loop; every method is
 non-blocking except :meth:`HostPool.create`, which allocates and zero-fills the arenas.
 """
 
@@ -18,13 +17,13 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from .errors import PagesInFlightError, UnknownHostPagesError
+from .errors import UnknownHostPagesError
 from .extents import ExtentAllocator
 from .geometry import HostLayout, PageGeometry
 from .page_seq import PageSeq
@@ -44,7 +43,6 @@ class HostPoolStatistics:
     used_pages: int
     free_pages: int
     largest_free_extent_pages: int
-    in_flight_pages: int
 
 
 class HostPages:
@@ -96,7 +94,6 @@ class HostPool:
         self.startup_s = 0.0
         self._extents = ExtentAllocator(capacity_pages)
         self._live: dict[int, tuple[tuple[int, int], ...]] = {}  # allocation id -> its runs
-        self._in_flight: dict[int, int] = {}  # page -> copies using it now (only pages > 0)
 
     @classmethod
     def create(cls, geometries: Sequence[PageGeometry], capacity_pages: int) -> HostPool:
@@ -159,47 +156,12 @@ class HostPool:
             )
 
     def release(self, handle: HostPages) -> None:
-        """Return the pages of ``handle``; refuses (changing nothing) if a copy uses any of them."""
+        """Return the pages of ``handle`` (checked to be live). The caller (the scheduler,
+        which knows the copies in flight) refuses the release while a copy uses them."""
         self.check_owned(handle)
-        if self._in_flight and self.any_in_flight(handle.page_seq):
-            in_flight = self._in_flight
-            busy = [p for p in handle.page_seq if p in in_flight]
-            raise PagesInFlightError(
-                f"{handle!r}: {len(busy)} of its {handle.num_pages} pages are in flight "
-                f"(host page {busy[0]} first); await the transfer that uses them before release()"
-            )
         del self._live[handle.allocation_id]
         for start, n in handle.runs:
             self._extents.free(start, n)
-
-    # --- in-flight state --------------------------------------------------------------------
-
-    def begin_copy(self, pages: Iterable[int]) -> None:
-        """Mark ``pages`` (distinct) as used by one more copy; they cannot be released until
-        :meth:`end_copy`."""
-        in_flight = self._in_flight
-        get = in_flight.get
-        for page in pages:
-            in_flight[page] = get(page, 0) + 1
-
-    def end_copy(self, pages: Iterable[int]) -> None:
-        """The copy that began on ``pages`` completed (or never started). Pages may repeat
-        (one batch of several requests), each repeat ending one copy."""
-        in_flight = self._in_flight
-        for page in pages:
-            count = in_flight[page]  # KeyError: end_copy without begin_copy
-            if count == 1:
-                del in_flight[page]
-            else:
-                in_flight[page] = count - 1
-
-    def any_in_flight(self, pages: PageSeq) -> bool:
-        in_flight = self._in_flight
-        if not in_flight:
-            return False
-        if len(in_flight) < len(pages) and type(pages) is range:
-            return any(page in pages for page in in_flight)
-        return any(page in in_flight for page in pages)
 
     def statistics(self) -> HostPoolStatistics:
         free = self._extents.free_pages
@@ -208,5 +170,4 @@ class HostPool:
             used_pages=self.capacity_pages - free,
             free_pages=free,
             largest_free_extent_pages=self._extents.largest_free_extent_pages,
-            in_flight_pages=len(self._in_flight),
         )

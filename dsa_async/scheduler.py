@@ -5,8 +5,8 @@ per loop tick packs the ready ones into as few engine batches as possible (prefe
 by deadline then priority, so backups never starve loads), within the in-flight byte bound of
 each direction. Completions arrive through the engine's hand-off and resolve the futures.
 Every path that ends a request goes through :meth:`Scheduler.finish`, which returns what the
-request held: host pages it pinned, pages it allocated (unless it succeeded), hazards,
-in-flight bytes.
+request held: its page-state entries (which also keep its host pages from being released),
+host pages it allocated (unless it succeeded), in-flight bytes.
 """
 
 from __future__ import annotations
@@ -18,12 +18,11 @@ import logging
 import operator
 import time
 from collections.abc import Callable
-from itertools import chain
 
 from .config import ServiceConfig
-from .errors import HostPoolExhausted, TransferFailedError
+from .errors import HostPoolExhausted, PagesInFlightError, TransferFailedError
 from .hazards import HazardTable
-from .host_pool import HostPool
+from .host_pool import HostPages, HostPool
 from .kinds import CANCELLED, D2H, DONE, FAILED, H2D, Direction, Outcome, Timeliness
 from .metrics import ServiceMetrics
 from .page_seq import concat_pages
@@ -81,9 +80,7 @@ class Scheduler:
 
     def accept(self, request: Request) -> None:
         """Queue an admitted request (validated by the service). Does not block."""
-        self.hazards.admit(request)
-        if request.host_pages is not None:
-            self.pool.begin_copy(request.host_pages)  # pinned until the request ends
+        self.hazards.admit(request)  # also marks its host pages in use until it ends
         queue = self.queues[request.direction]
         if queue and request.sort_key < queue[-1].sort_key:
             self._queue_sorted[request.direction] = False
@@ -174,7 +171,6 @@ class Scheduler:
             self._host_wait_since.pop(request, None)
         request.host_handle = handle
         request.host_pages = handle.page_seq
-        self.pool.begin_copy(handle.page_seq)
         self.hazards.register_fresh_host_writes(request)
         return True
 
@@ -226,7 +222,6 @@ class Scheduler:
                                       duration_s=handle.duration_s)
         else:
             self.metrics.record_batch_error(direction)
-        self.pool.end_copy(chain.from_iterable(r.host_pages for r in requests))  # their pins
         now = time.perf_counter()
         ended: dict[Outcome, tuple[list[float], list[int]]] = {}
         nbytes, duration_s, eviction = 0, handle.duration_s, direction is D2H
@@ -249,7 +244,7 @@ class Scheduler:
                 figures = ended[outcome] = ([], [])
             figures[0].append(now - request.submitted_at)
             figures[1].append(request.padding_tokens)
-            self._end(request, outcome, result, failure, pinned=False)
+            self._end(request, outcome, result, failure)
         self.inflight_bytes[direction] -= nbytes
         self.inflight_requests -= len(requests)
         for outcome, (latencies, paddings) in ended.items():
@@ -265,10 +260,10 @@ class Scheduler:
         self.metrics.record_request(
             request.direction, outcome, latency_s=time.perf_counter() - request.submitted_at,
             padding_bytes=request.padding_tokens * self.bytes_per_token)
-        self._end(request, outcome, result, error, pinned=True)
+        self._end(request, outcome, result, error)
 
     def _end(self, request: Request, outcome: Outcome, result: TransferResult | None,
-             error: BaseException | None, *, pinned: bool) -> None:
+             error: BaseException | None) -> None:
         assert request.state is not FINISHED
         if request.state is QUEUED:
             self.queues[request.direction] = [r for r in self.queues[request.direction]
@@ -276,9 +271,7 @@ class Scheduler:
         request.state = FINISHED
         if self._host_wait_since:
             self._host_wait_since.pop(request, None)
-        self.hazards.retire(request)
-        if pinned and request.host_pages is not None:
-            self.pool.end_copy(request.host_pages)
+        self.hazards.retire(request)  # its host pages may be released again
         if request.owns_host and outcome is not DONE and request.host_handle is not None:
             self._orphans.append(request.host_handle)
             self._free_orphans()
@@ -301,12 +294,24 @@ class Scheduler:
         if not self._batches and not self.queues[D2H] and not self.queues[H2D]:
             self._idle.set()
 
+    def release_host(self, handle: HostPages) -> None:
+        """Return ``handle``'s pages to the pool now; refuses (changing nothing) while a queued
+        or running copy reads or writes any of them. Does not block."""
+        self.pool.check_owned(handle)
+        busy = self.hazards.host_pages_busy(handle.page_seq)
+        if busy:
+            raise PagesInFlightError(
+                f"{handle!r}: {len(busy)} of its {handle.num_pages} pages are in flight "
+                f"(host page {busy[0]} first); await the transfer that uses them before release()"
+            )
+        self.pool.release(handle)
+
     def _free_orphans(self) -> None:
         if not self._orphans:
             return
         still = []
         for handle in self._orphans:
-            if self.pool.any_in_flight(handle.page_seq):
+            if self.hazards.host_pages_busy(handle.page_seq):
                 still.append(handle)
             else:
                 self.pool.release(handle)
@@ -420,7 +425,8 @@ class Scheduler:
         bpp = self.bytes_per_page
         metrics.set_host_pool(
             used_bytes=stats.used_pages * bpp, free_bytes=stats.free_pages * bpp,
-            in_flight_bytes=stats.in_flight_pages * bpp, capacity_bytes=stats.capacity_pages * bpp)
+            in_flight_bytes=self.hazards.busy_host_pages * bpp,
+            capacity_bytes=stats.capacity_pages * bpp)
 
     def _publish_trailing(self) -> None:
         self._publish_handle = None

@@ -359,7 +359,7 @@ class OffloadService:
         """Return host pages to the pool now. Raises ``PagesInFlightError`` (changing nothing)
         while a copy reads or writes them, ``UnknownHostPagesError`` for a stale handle."""
         scheduler = self._running()
-        self._pool.release(host)
+        scheduler.release_host(host)
         scheduler.schedule_flush()  # evictions waiting for space may go now; gauges follow
 
     def allocate_host_pages(self, num_pages: int) -> HostPages:
@@ -384,7 +384,7 @@ class OffloadService:
         return ServiceStatistics(
             capacity_pages=stats.capacity_pages, used_pages=stats.used_pages,
             free_pages=stats.free_pages, largest_free_extent_pages=stats.largest_free_extent_pages,
-            in_flight_pages=stats.in_flight_pages,
+            in_flight_pages=self._scheduler.hazards.busy_host_pages,
             ledger_bytes=self._reservation.reserved_bytes if self._reservation else 0,
             queued_requests=self._scheduler.queued_requests,
             inflight_requests=self._scheduler.inflight_requests)

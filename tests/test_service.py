@@ -216,6 +216,24 @@ async def test_release_of_pages_in_flight_is_refused_and_changes_nothing(tmp_pat
             service.release(host)
 
 
+async def test_in_flight_pages_count_each_host_page_once_while_any_copy_uses_it(tmp_path):
+    service, _ = make_service(tmp_path)
+    async with service, asyncio.timeout(BOUND_S):
+        slots = service.allocate_host_pages(3)
+        host = slots.token_indices()
+        gate = threading.Event()
+        backup = service.evict(tokens([0, 1]), host_tokens=host[:2 * PAGE], after=gate)
+        load = service.prefetch(None, tokens([5]), host_tokens=host[:PAGE])  # reads page 0
+        again = service.evict(tokens([2]), host_tokens=host[PAGE:2 * PAGE])  # rewrites page 1
+        assert service.statistics().in_flight_pages == 2
+        with pytest.raises(PagesInFlightError, match="2 of its 3 pages are in flight"):
+            service.release(slots)
+        gate.set()
+        await asyncio.gather(backup, load, again)
+        assert service.statistics().in_flight_pages == 0
+        service.release(slots)
+
+
 async def test_close_during_heavy_traffic_ends_every_request_and_leaks_nothing(tmp_path):
     service, _ = make_service(tmp_path, host_pages=64, drain_timeout_s=0.5)
     await service.start()
