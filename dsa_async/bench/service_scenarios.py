@@ -29,6 +29,12 @@ OVERHEAD = register_target(Target(
 LATENCY = register_target(Target(
     "scheduler.single_request_latency_us", Comparison.AT_MOST, 100.0, "us",
     "one such eviction submitted and awaited alone (no-op engine); median of 200"))
+REFERENCE = register_target(Target(
+    "scheduler.python_reference_us", Comparison.AT_MOST, None, "us",
+    "a fixed loop of interpreter work shaped like a request's (a tensor's numpy view, a slotted "
+    "object, a range, a dict update), per iteration, timed in the same rounds as the overhead "
+    "figure: how fast this machine ran Python during the run, to read the absolute scheduler "
+    "figures against (reported, no target)"))
 OVERLAP = register_target(Target(
     "overlap.exposed_fraction", Comparison.AT_MOST, 0.10, "",
     "a forward-pass thread runs torch matmuls per layer sized so the pass takes 1.5x the copy "
@@ -58,12 +64,31 @@ def _token_requests(count: int, seed: int) -> list[torch.Tensor]:
     return out
 
 
+class _Slot:
+    __slots__ = ("first", "pages", "waiters", "key")
+
+
+def _python_reference_us(tensors: list[torch.Tensor]) -> float:
+    """Per-iteration time of a fixed loop of interpreter work (see ``REFERENCE``)."""
+    table: dict[int, _Slot] = {}
+    started = time.perf_counter()
+    for i, tensor in enumerate(tensors):
+        slot = _Slot()
+        slot.first = tensor.numpy().item(0)
+        slot.pages = range(i, i + 3)
+        slot.waiters = [slot]
+        slot.key = (-i, i)
+        table[i & 1023] = slot
+    return (time.perf_counter() - started) / len(tensors) * 1e6
+
+
 async def _scheduler_figures(ctx: BenchContext) -> dict[str, float]:
     service, _ = _service(ctx, 4096, NoopEngine, DEVICE_PAGES)
     requests = _token_requests(1000, ctx.seed)
     async with service:
-        per_request = []
+        per_request, reference = [], []
         for round_ in range(max(ctx.pairs, 5) + 1):
+            reference.append(_python_reference_us(requests))
             started = time.perf_counter()
             transfers = [service.evict(tokens) for tokens in requests]
             for transfer in transfers:
@@ -77,7 +102,8 @@ async def _scheduler_figures(ctx: BenchContext) -> dict[str, float]:
             single.append((time.perf_counter() - started) * 1e6)
             service.release(result.host_pages)
     return {OVERHEAD.name: statistics.median(per_request),
-            LATENCY.name: statistics.median(single)}
+            LATENCY.name: statistics.median(single),
+            REFERENCE.name: statistics.median(reference[1:])}
 
 
 @register_scenario
