@@ -44,12 +44,10 @@ class ExtentAllocator:
         assert num_pages > 0
         if num_pages > self.free_pages:
             return None
-        sizes = self._sizes
-        i = bisect.bisect_left(sizes, num_pages)
-        if i < len(sizes):  # best fit: the smallest extent that holds it all
-            start = self._by_size[sizes[i]][0]
-            self._take(start, num_pages)
+        start = self.allocate_run(num_pages)  # best fit: the smallest extent that holds it all
+        if start is not None:
             return [(start, num_pages)]
+        sizes = self._sizes
         runs = []
         needed = num_pages
         for length in reversed(sizes):  # the largest extents first: the fewest runs
@@ -65,6 +63,18 @@ class ExtentAllocator:
             self._take(start, take)
         runs.sort()
         return runs
+
+    def allocate_run(self, num_pages: int) -> int | None:
+        """Take one contiguous run of ``num_pages`` (best fit) and return its start, or
+        ``None`` (changing nothing) if no free extent holds it."""
+        assert num_pages > 0
+        sizes = self._sizes
+        i = bisect.bisect_left(sizes, num_pages)
+        if i == len(sizes):
+            return None
+        start = self._by_size[sizes[i]][0]
+        self._take(start, num_pages)
+        return start
 
     def first_free(self, pages: range | list[int]) -> int | None:
         """The first of ``pages`` (in their order) that is free, or ``None`` if all are taken."""

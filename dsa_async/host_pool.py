@@ -94,6 +94,7 @@ class HostPool:
         self.startup_s = 0.0
         self._extents = ExtentAllocator(capacity_pages)
         self._live: dict[int, tuple[tuple[int, int], ...]] = {}  # allocation id -> its runs
+        self._batch_run: list[int] | None = None  # [start, pages]: taken, not yet handed out
 
     @classmethod
     def create(cls, geometries: Sequence[PageGeometry], capacity_pages: int) -> HostPool:
@@ -126,15 +127,40 @@ class HostPool:
 
     # --- allocation -----------------------------------------------------------------------
 
-    def allocate(self, num_pages: int) -> HostPages | None:
-        """Take ``num_pages`` pages (fewest runs, best fit) or return ``None`` if too few are free."""
-        runs = self._extents.allocate(num_pages)
-        if runs is None:
-            return None
+    def allocate(self, num_pages: int, *, ahead_pages: int = 0) -> HostPages | None:
+        """Take ``num_pages`` pages (fewest runs, best fit) or return ``None`` if too few are free.
+
+        ``ahead_pages``: how many more pages allocations in this same loop step will ask for.
+        Then one run for all of them is taken at once (when one extent holds it) and the next
+        allocations are cut from it in order, one contiguous run each, without searching the
+        free extents again; :meth:`end_batch` returns what is left of that run and must be
+        called before the loop step ends."""
+        batch = self._batch_run
+        if batch is not None and batch[1] >= num_pages:
+            start = batch[0]
+            batch[0] += num_pages
+            batch[1] -= num_pages
+            runs: tuple[tuple[int, int], ...] = ((start, num_pages),)
+        else:
+            self.end_batch()
+            start = self._extents.allocate_run(num_pages + ahead_pages) if ahead_pages else None
+            if start is not None:
+                self._batch_run = [start + num_pages, ahead_pages]
+                runs = ((start, num_pages),)
+            else:
+                found = self._extents.allocate(num_pages)
+                if found is None:
+                    return None
+                runs = tuple(found)
         allocation_id = next(_ALLOCATION_IDS)
-        runs = tuple(runs)
         self._live[allocation_id] = runs
         return HostPages(runs, allocation_id, self.page_size_tokens)
+
+    def end_batch(self) -> None:
+        """Return the unused rest of the run taken by ``allocate(..., ahead_pages=...)``."""
+        batch, self._batch_run = self._batch_run, None
+        if batch is not None and batch[1]:
+            self._extents.free(batch[0], batch[1])
 
     def check_owned(self, handle: HostPages) -> None:
         """Raise ``UnknownHostPagesError`` unless ``handle`` is a live allocation of this pool."""
@@ -164,6 +190,7 @@ class HostPool:
             self._extents.free(start, n)
 
     def statistics(self) -> HostPoolStatistics:
+        assert self._batch_run is None, "end_batch() was not called"
         free = self._extents.free_pages
         return HostPoolStatistics(
             capacity_pages=self.capacity_pages,

@@ -120,28 +120,40 @@ class Scheduler:
         kept: list[Request] = []
         pages_needed = 0
         full = False
-        for request in queue:
-            if full:
-                kept.append(request)
-                continue
-            if request.deps:
-                if any(dep.state is QUEUED for dep, _ in request.deps):
+        # Backups into service-chosen host pages: how many pages the rest of the queue asks
+        # for, so the pool can take one run for all of them (see HostPool.allocate).
+        fresh_left = (sum(r.num_pages for r in queue if r.host_pages is None)
+                      if direction is D2H else 0)
+        try:
+            for request in queue:
+                fresh = request.host_pages is None
+                if fresh:
+                    fresh_left -= request.num_pages
+                if full:
                     kept.append(request)
                     continue
-                failed = self._failed_data_dependency(request)
-                if failed is not None:
-                    self.finish(request, FAILED, error=failed)
+                if request.deps:
+                    if any(dep.state is QUEUED for dep, _ in request.deps):
+                        kept.append(request)
+                        continue
+                    failed = self._failed_data_dependency(request)
+                    if failed is not None:
+                        self.finish(request, FAILED, error=failed)
+                        continue
+                if request.nbytes > room and (busy or chosen):
+                    full = True  # backpressure: wait for in-flight bytes to drain, keep order
+                    kept.append(request)
                     continue
-            if request.nbytes > room and (busy or chosen):
-                full = True  # backpressure: wait for in-flight bytes to drain, keep order
-                kept.append(request)
-                continue
-            if request.host_pages is None and not self._allocate_host(request):
-                pages_needed += request.num_pages
-                kept.append(request)
-                continue
-            chosen.append(request)
-            room -= request.nbytes
+                if fresh:
+                    ahead = min(fresh_left, max(0, (room - request.nbytes) // self.bytes_per_page))
+                    if not self._allocate_host(request, ahead):
+                        pages_needed += request.num_pages
+                        kept.append(request)
+                        continue
+                chosen.append(request)
+                room -= request.nbytes
+        finally:
+            self.pool.end_batch()
         self.queues[direction] = kept
         if pages_needed:
             self._ask_for_host_pages(pages_needed)
@@ -160,8 +172,8 @@ class Scheduler:
                 )
         return None
 
-    def _allocate_host(self, request: Request) -> bool:
-        handle = self.pool.allocate(request.num_pages)
+    def _allocate_host(self, request: Request, ahead_pages: int) -> bool:
+        handle = self.pool.allocate(request.num_pages, ahead_pages=ahead_pages)
         if handle is None:
             if request not in self._host_wait_since:
                 self._host_wait_since[request] = self.loop.time()

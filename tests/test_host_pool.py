@@ -173,3 +173,28 @@ def test_first_free_page_matches_a_page_by_page_scan(sizes, data):
                                 st.lists(st.integers(0, 39), max_size=8)))
     expected = next((p for p in pages if p in free), None)
     assert alloc.first_free(pages) == expected
+
+
+def test_allocations_of_one_loop_step_are_cut_from_one_run_and_the_rest_returned():
+    pool = _pool(16)
+    hole = pool.allocate(3)
+    pool.allocate(13)
+    pool.release(hole)  # one free extent: pages 0-2
+    first = pool.allocate(1, ahead_pages=2)
+    second = pool.allocate(1, ahead_pages=1)
+    pool.end_batch()  # one page of the run was not used: it goes back
+    assert (first.runs, second.runs) == (((0, 1),), ((1, 1),))
+    assert pool.statistics().free_pages == 1
+    pool.release(first)
+    pool.release(second)
+    assert pool.statistics().largest_free_extent_pages == 3  # merged back into one extent
+
+
+def test_a_run_ahead_that_does_not_fit_falls_back_to_best_fit():
+    pool = _pool(8)
+    held = [pool.allocate(2) for _ in range(4)]
+    pool.release(held[0])
+    pool.release(held[2])  # free: two extents of 2 pages
+    got = pool.allocate(2, ahead_pages=2)  # no single extent holds 4 pages
+    pool.end_batch()
+    assert got.runs == ((0, 2),) and pool.statistics().free_pages == 2
