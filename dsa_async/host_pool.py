@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from .errors import UnknownHostPagesError
+from .errors import PagesInFlightError, UnknownHostPagesError
 from .extents import ExtentAllocator
 from .geometry import HostLayout, PageGeometry
 from .page_seq import PageSeq
@@ -181,10 +181,18 @@ class HostPool:
                 f"must come from allocate_host_pages() (and not be released yet)"
             )
 
-    def release(self, handle: HostPages) -> None:
-        """Return the pages of ``handle`` (checked to be live). The caller (the scheduler,
-        which knows the copies in flight) refuses the release while a copy uses them."""
+    def release(self, handle: HostPages,
+                busy_pages: Callable[[PageSeq], list[int]] | None = None) -> None:
+        """Return the pages of ``handle`` (checked to be live). ``busy_pages`` (the scheduler's
+        hazard table: which of these pages a queued or running copy uses) makes it refuse,
+        changing nothing, while a copy uses any of them."""
         self.check_owned(handle)
+        busy = busy_pages(handle.page_seq) if busy_pages is not None else None
+        if busy:
+            raise PagesInFlightError(
+                f"{handle!r}: {len(busy)} of its {handle.num_pages} pages are in flight "
+                f"(host page {busy[0]} first); await the transfer that uses them before release()"
+            )
         del self._live[handle.allocation_id]
         for start, n in handle.runs:
             self._extents.free(start, n)

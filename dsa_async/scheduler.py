@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 
 from .config import ServiceConfig
-from .errors import HostPoolExhausted, PagesInFlightError, TransferFailedError
+from .errors import HostPoolExhausted, TransferFailedError
 from .hazards import HazardTable
 from .host_pool import HostPages, HostPool
 from .kinds import CANCELLED, D2H, DONE, FAILED, H2D, Direction, Outcome, Timeliness
@@ -309,14 +309,7 @@ class Scheduler:
     def release_host(self, handle: HostPages) -> None:
         """Return ``handle``'s pages to the pool now; refuses (changing nothing) while a queued
         or running copy reads or writes any of them. Does not block."""
-        self.pool.check_owned(handle)
-        busy = self.hazards.host_pages_busy(handle.page_seq)
-        if busy:
-            raise PagesInFlightError(
-                f"{handle!r}: {len(busy)} of its {handle.num_pages} pages are in flight "
-                f"(host page {busy[0]} first); await the transfer that uses them before release()"
-            )
-        self.pool.release(handle)
+        self.pool.release(handle, self.hazards.host_pages_busy)
 
     def _free_orphans(self) -> None:
         if not self._orphans:
