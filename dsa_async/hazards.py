@@ -23,8 +23,31 @@ from .kinds import D2H, H2D
 if TYPE_CHECKING:
     from .request import Request
 
-# page -> pending requests, in admission order (usually one)
-_PageTable = dict[int, list["Request"]]
+# page -> its pending request, or a list of them in admission order when there are several.
+# One request per page is the common case; not allocating a list for it keeps a request's
+# page entries from being garbage-collector work.
+_PageTable = dict[int, "Request | list[Request]"]
+
+
+def _add(table: _PageTable, page: int, request: Request) -> bool:
+    """Register ``request`` on ``page``; returns whether the page was not in ``table``."""
+    pending = table.get(page)
+    if pending is None:
+        table[page] = request
+        return True
+    if type(pending) is list:
+        pending.append(request)
+    else:
+        table[page] = [pending, request]
+    return False
+
+
+def _depend(found: dict, pending: Request | list[Request], needs_data: bool) -> None:
+    if type(pending) is list:
+        for r in pending:
+            found.setdefault(id(r), (r, needs_data))
+    else:
+        found.setdefault(id(pending), (pending, needs_data))
 
 
 def _remove(table: _PageTable, pages, request: Request, other: _PageTable | None) -> int:
@@ -33,14 +56,14 @@ def _remove(table: _PageTable, pages, request: Request, other: _PageTable | None
     idle = 0
     for page in pages:
         pending = table.get(page)
-        if pending is not None:
+        if pending is request:
+            del table[page]
+            if other is not None and page not in other:
+                idle += 1
+        elif type(pending) is list:
+            pending.remove(request)
             if len(pending) == 1:
-                if pending[0] is request:
-                    del table[page]
-                    if other is not None and page not in other:
-                        idle += 1
-            else:
-                pending.remove(request)
+                table[page] = pending[0]
     return idle
 
 
@@ -74,17 +97,11 @@ class HazardTable:
         host_side_other = self._writers[D2H] if d is H2D else self._readers[H2D]
         for page in reads:
             writers = writers_of_reads.get(page)
-            if writers:
+            if writers is not None:
                 found = found if found is not None else {}
-                for w in writers:
-                    found.setdefault(id(w), (w, needs_data))
-            pending = readers_of_mine.get(page)
-            if pending is None:
-                readers_of_mine[page] = [request]
-                if needs_data and page not in host_side_other:
-                    self.busy_host_pages += 1
-            else:
-                pending.append(request)
+                _depend(found, writers, needs_data)
+            if _add(readers_of_mine, page, request) and needs_data and page not in host_side_other:
+                self.busy_host_pages += 1
         # What I write: after its pending writers (same direction) and readers (other one).
         if writes:
             writers_of_writes: _PageTable = self._writers[d]
@@ -92,18 +109,15 @@ class HazardTable:
             for page in writes:
                 writers = writers_of_writes.get(page)
                 readers = readers_of_writes.get(page)
-                if writers or readers:
+                if writers is not None or readers is not None:
                     found = found if found is not None else {}
-                    for r in (writers or ()):
-                        found.setdefault(id(r), (r, False))
-                    for r in (readers or ()):
-                        found.setdefault(id(r), (r, False))
-                if writers is None:
-                    writers_of_writes[page] = [request]
-                    if not needs_data and page not in host_side_other:
-                        self.busy_host_pages += 1
-                else:
-                    writers.append(request)
+                    if writers is not None:
+                        _depend(found, writers, False)
+                    if readers is not None:
+                        _depend(found, readers, False)
+                if (_add(writers_of_writes, page, request) and not needs_data
+                        and page not in host_side_other):
+                    self.busy_host_pages += 1
         if found:
             request.deps = (*request.deps, *found.values())
 
@@ -113,7 +127,7 @@ class HazardTable:
         readers: _PageTable = self._readers[H2D]
         for page in request.host_pages:
             assert page not in writers and page not in readers, "a free host page was in use"
-            writers[page] = [request]
+            writers[page] = request
         self.busy_host_pages += len(request.host_pages)
 
     def retire(self, request: Request) -> None:

@@ -59,7 +59,7 @@ class Request:
 
     __slots__ = (
         "seq", "direction", "host_pages", "device_pages", "num_pages", "host_handle", "owns_host",
-        "after", "priority", "deadline", "sort_key", "submitted_at", "padding_tokens", "nbytes",
+        "after", "priority", "deadline", "submitted_at", "padding_tokens", "nbytes",
         "deps", "handle", "batch_index", "state", "cancel_requested", "future", "started",
         "_start_waiter", "layer_seen", "waiters",
         "__weakref__",
@@ -68,7 +68,7 @@ class Request:
     def __init__(self, direction: Direction, device_pages: PageSeq, host_pages: PageSeq | None,
                  owns_host: bool, after: object, priority: int, deadline: float,
                  padding_tokens: int, nbytes: int, future: asyncio.Future) -> None:
-        self.seq = seq = next(_seq)
+        self.seq = next(_seq)
         self.direction = direction
         self.device_pages = device_pages
         self.num_pages = len(device_pages)
@@ -78,10 +78,6 @@ class Request:
         self.after = after
         self.priority = priority
         self.deadline = deadline
-        #: queue order: prefetches by earliest deadline, then highest priority; backups by
-        #: highest priority; then submission order
-        self.sort_key = ((deadline, -priority, seq) if direction is H2D
-                         else (-priority, seq))
         self.submitted_at = time.perf_counter()
         self.padding_tokens = padding_tokens
         self.nbytes = nbytes
@@ -119,6 +115,19 @@ class Request:
         if self.started:  # it started while the waiter was being published
             return True
         return waiter.wait(timeout_s)
+
+    def sort_key(self) -> tuple:
+        """Queue order: prefetches by earliest deadline, then highest priority; backups by
+        highest priority; then submission order."""
+        if self.direction is H2D:
+            return (self.deadline, -self.priority, self.seq)
+        return (-self.priority, self.seq)
+
+    def goes_before(self, other: Request) -> bool:
+        """Whether this request (submitted later) must be queued before ``other``."""
+        if self.direction is H2D and self.deadline != other.deadline:
+            return self.deadline < other.deadline
+        return self.priority > other.priority
 
     def read_and_write_pages(self) -> tuple[PageSeq, PageSeq]:
         host = self.host_pages if self.host_pages is not None else _EMPTY

@@ -15,7 +15,6 @@ import asyncio
 import inspect
 import math
 import logging
-import operator
 import time
 from collections.abc import Callable
 
@@ -36,8 +35,6 @@ HostPressureCallback = Callable[[int], object]
 
 #: State gauges are refreshed at most this often on the hot path (scrapes are seconds apart).
 PUBLISH_PERIOD_S = 0.05
-
-_SORT_KEY = operator.attrgetter("sort_key")
 
 
 class Scheduler:
@@ -82,7 +79,7 @@ class Scheduler:
         """Queue an admitted request (validated by the service). Does not block."""
         self.hazards.admit(request)  # also marks its host pages in use until it ends
         queue = self.queues[request.direction]
-        if queue and request.sort_key < queue[-1].sort_key:
+        if queue and request.goes_before(queue[-1]):
             self._queue_sorted[request.direction] = False
         queue.append(request)
         self._idle.clear()
@@ -112,7 +109,7 @@ class Scheduler:
         if not queue:
             return []
         if not self._queue_sorted[direction]:
-            queue.sort(key=_SORT_KEY)
+            queue.sort(key=Request.sort_key)
             self._queue_sorted[direction] = True
         room = self.max_inflight_bytes[direction] - self.inflight_bytes[direction]
         busy = self.inflight_bytes[direction] > 0
