@@ -221,7 +221,7 @@ class Scheduler:
 
     def on_batch_done(self, handle: BatchHandle) -> None:
         """Engine completion (on the loop, via the hand-off): end every request of the batch,
-        returning their pins and recording their metrics once for the batch."""
+        returning what they held and recording their metrics once for the batch."""
         requests = self._batches.pop(handle)
         direction = handle.batch.direction
         error = handle.error
@@ -253,7 +253,8 @@ class Scheduler:
                 figures = ended[outcome] = ([], [])
             figures[0].append(now - request.submitted_at)
             figures[1].append(request.padding_tokens)
-            self._end(request, outcome, result, failure)
+            self._end(request, outcome, result, failure, check_idle=False)
+        self._check_idle()
         self.inflight_bytes[direction] -= nbytes
         self.inflight_requests -= len(requests)
         for outcome, (latencies, paddings) in ended.items():
@@ -272,7 +273,7 @@ class Scheduler:
         self._end(request, outcome, result, error)
 
     def _end(self, request: Request, outcome: Outcome, result: TransferResult | None,
-             error: BaseException | None) -> None:
+             error: BaseException | None, *, check_idle: bool = True) -> None:
         assert request.state is not FINISHED
         if request.state is QUEUED:
             self.queues[request.direction] = [r for r in self.queues[request.direction]
@@ -295,11 +296,16 @@ class Scheduler:
             for waiter in request.waiters:
                 if not waiter.done():
                     waiter.set_result(None)  # the awaiting task reads request.future itself
-        request.mark_started()  # wake forward-pass threads waiting for a start
+        if not request.started:
+            request.mark_started()  # wake forward-pass threads waiting for a start
         if self._pending_layers:
             for _layer, layer_future in self._pending_layers.pop(request, ()):
                 if not layer_future.done():
                     layer_future.set_exception(error) if error else layer_future.cancel()
+        if check_idle:
+            self._check_idle()
+
+    def _check_idle(self) -> None:
         if not self._batches and not self.queues[D2H] and not self.queues[H2D]:
             self._idle.set()
 
