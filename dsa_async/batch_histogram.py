@@ -45,12 +45,11 @@ class BatchHistogram(Collector):
     def observe_many(self, label_value: str, values: Sequence[float]) -> None:
         """Observe every value of ``values`` (each ``>= 0``) for ``label_value``. Non-blocking."""
         bounds, find = self._bounds, bisect.bisect_left  # le: value <= bound
-        slots = [find(bounds, v) for v in values]
-        total = math.fsum(values)
         counts = self._counts[label_value]
+        total = sum(values)
         with self._lock:
-            for slot in slots:
-                counts[slot] += 1
+            for value in values:
+                counts[find(bounds, value)] += 1
             self._sums[label_value] += total
 
     def describe(self) -> Iterable[Metric]:

@@ -200,15 +200,14 @@ class ServiceMetrics:
                 registry=reg,
             )
         )
-        self._transfer_duration = per_direction(
-            Histogram(
-                PREFIX + "transfer_duration_seconds",
-                "Device-timed duration of one copy batch, by direction, in seconds.",
-                ["direction"],
-                buckets=buckets,
-                registry=reg,
-            )
+        self._transfer_duration = BatchHistogram(
+            PREFIX + "transfer_duration_seconds",
+            "Device-timed duration of one copy batch, by direction, in seconds.",
+            "direction",
+            [d.value for d in Direction],
+            buckets,
         )
+        reg.register(self._transfer_duration)
         # --- requests ---------------------------------------------------------------------------
         requests = Counter(
             PREFIX + "requests",
@@ -316,7 +315,7 @@ class ServiceMetrics:
         _non_negative("duration_s", duration_s)
         _pick(self._transfer_bytes, direction, "direction").inc(bytes_moved)
         self._transfer_pages[direction].inc(pages_moved)
-        self._transfer_duration[direction].observe(duration_s)
+        self._transfer_duration.observe_many(direction.value, (duration_s,))
 
     def record_batch_error(self, direction: Direction) -> None:
         """Count one failed copy batch. Non-blocking."""
