@@ -9,8 +9,9 @@ is the CUDA backend's job (it registers exactly these bytes). Arena shapes::
 
 Page states here: free or held (the extent allocator's free extents; ``_live`` maps each live
 allocation id to its runs). Which held pages a copy uses right now is the scheduler's hazard
-table (one table of page states for ordering and for refusing a release). Not thread-safe: owned by the event loop; every method is
-non-blocking except :meth:`HostPool.create`, which allocates and zero-fills the arenas.
+table: one table of page states orders copies and refuses releases. Not thread-safe: owned by
+the event loop; every method is non-blocking except :meth:`HostPool.create`, which allocates
+and zero-fills the arenas.
 """
 
 from __future__ import annotations
