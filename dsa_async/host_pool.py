@@ -30,7 +30,6 @@ from .geometry import HostLayout, PageGeometry
 from .page_seq import PageSeq
 from .pages import page_tokens
 
-
 #: Allocation ids are unique across every pool of the process, so a handle from another
 #: service can never pass for one of this pool's.
 _ALLOCATION_IDS = itertools.count(1)

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import math
 import logging
+import math
 import time
 from collections.abc import Callable
 

@@ -7,7 +7,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dsa_async.errors import IndexTypeError, IndexValueError, PageAlignmentError
-from dsa_async.page_seq import compact, concat_pages, paired_page_seqs, tokens_to_page_seq
+from dsa_async.page_seq import (
+    compact,
+    concat_pages,
+    paired_page_seqs,
+    tokens_to_page_seq,
+)
 from dsa_async.pages import pair_tokens_to_pages, tokens_to_pages
 
 PS = 64
