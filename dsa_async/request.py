@@ -42,7 +42,7 @@ class RequestState(enum.Enum):
 QUEUED, SUBMITTED, FINISHED = RequestState.QUEUED, RequestState.SUBMITTED, RequestState.FINISHED
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class TransferResult:
     """What a finished request moved. ``device_s``: the copy batch's device-timed duration."""
 
@@ -52,6 +52,18 @@ class TransferResult:
     padded_tokens: int
     device_s: float
     host_pages: HostPages | None  #: evictions: where the pages were backed up
+
+    def __init__(self, direction: Direction, pages: int, bytes: int,  # noqa: A002 - the field
+                 padded_tokens: int, device_s: float, host_pages: HostPages | None) -> None:
+        # One result per request: plain stores into the instance dict instead of the generated
+        # frozen __init__'s six object.__setattr__ calls. Still frozen (assignment raises).
+        fields = self.__dict__
+        fields["direction"] = direction
+        fields["pages"] = pages
+        fields["bytes"] = bytes
+        fields["padded_tokens"] = padded_tokens
+        fields["device_s"] = device_s
+        fields["host_pages"] = host_pages
 
 
 class Request:

@@ -1,12 +1,14 @@
-"""Queue order: the cheap check made at submit agrees with the full sort key."""
+"""Queue order (the cheap check at submit agrees with the full sort key) and results."""
 
+import dataclasses
 import math
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from dsa_async.kinds import Direction
-from dsa_async.request import Request
+from dsa_async.request import Request, TransferResult
 
 deadlines = st.one_of(st.just(math.inf), st.floats(0, 10, allow_nan=False))
 
@@ -23,3 +25,12 @@ def test_goes_before_agrees_with_the_sort_key(direction, p1, d1, p2, d2):
     earlier = _request(direction, p1, d1)
     later = _request(direction, p2, d2)
     assert later.goes_before(earlier) == (later.sort_key() < earlier.sort_key())
+
+
+def test_transfer_result_is_a_frozen_value():
+    result = TransferResult(Direction.D2H, 2, 100, 5, 0.25, None)
+    assert result == TransferResult(Direction.D2H, 2, 100, 5, 0.25, None)
+    assert dataclasses.replace(result, pages=3).pages == 3 and result.pages == 2
+    assert dataclasses.asdict(result)["padded_tokens"] == 5
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        result.pages = 4
