@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -29,7 +29,7 @@ class Dependency:
     needs_data: bool
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class CopyBatch:
     """Page pairs to move in one direction (``host_pages``/``device_pages``: ``int64 [n]``).
 
@@ -43,7 +43,20 @@ class CopyBatch:
     device_pages: np.ndarray
     deps: tuple[Dependency, ...] = ()
     after: tuple[object, ...] = ()
-    batch_id: int = field(default_factory=lambda: next(_batch_ids))
+    batch_id: int = 0  #: unique in the process; given at construction
+
+    def __init__(self, direction: Direction, host_pages: np.ndarray, device_pages: np.ndarray,
+                 deps: tuple[Dependency, ...] = (), after: tuple[object, ...] = (),
+                 batch_id: int | None = None) -> None:
+        # One batch per loop tick, on a single request's path: plain stores into the instance
+        # dict instead of the generated frozen __init__'s object.__setattr__ calls.
+        fields = self.__dict__
+        fields["direction"] = direction
+        fields["host_pages"] = host_pages
+        fields["device_pages"] = device_pages
+        fields["deps"] = deps
+        fields["after"] = after
+        fields["batch_id"] = next(_batch_ids) if batch_id is None else batch_id
 
     @property
     def num_pages(self) -> int:
