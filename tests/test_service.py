@@ -398,3 +398,27 @@ async def test_cancelling_a_queued_rewrite_keeps_later_loads_behind_the_running_
         await load
         _assert_pages_equal(expected, buffers, [5])
         service.release(slot)
+
+
+async def test_finished_requests_are_freed_without_the_garbage_collector(tmp_path):
+    # Reference cycles would keep every request's objects alive until a collection, and
+    # collections of a server-sized heap pause the loop: requests must not make any.
+    service, _ = make_service(tmp_path)
+    async with service, asyncio.timeout(BOUND_S):
+        async def round_trip() -> None:
+            backup = await service.evict(tokens([1, 2]))
+            load = service.prefetch(backup.host_pages, tokens([5, 6]))
+            await load.layer_ready(0)
+            await load
+            service.release(backup.host_pages)
+
+        await round_trip()  # warm-up: lazily made objects of the service itself
+        gc.collect()
+        gc.disable()
+        try:
+            for _ in range(50):
+                await round_trip()
+            unreachable = gc.collect()
+        finally:
+            gc.enable()
+        assert unreachable == 0, f"{unreachable} objects were only freed by the collector"

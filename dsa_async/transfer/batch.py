@@ -86,7 +86,12 @@ class BatchHandle:
         self._lock = threading.Lock()
         self._cond: threading.Condition | None = None
         self._layer_waiters: list[tuple[int, Callable[[], None]]] = []
-        self.done = _Done(self)
+
+    @property
+    def done(self) -> _Done:
+        """An Event-like view of ``finished`` (``is_set()``, ``wait(timeout)``); made on each
+        access, so the handle is never in a reference cycle with it."""
+        return _Done(self)
 
     def _notify(self) -> None:
         """Wake blocked threads. Call with ``_lock`` held."""
