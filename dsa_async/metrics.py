@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .batch_histogram import BatchHistogram
+from .batch_metrics import BatchCounter, BatchHistogram
 from .errors import ConfigError
 from .kinds import Backend, BudgetKind, Direction, Outcome, PoolState, Timeliness
 
@@ -83,6 +83,14 @@ def _pick(children: Mapping[_E, _C], key: _E, what: str) -> _C:
     except KeyError:
         choices = ", ".join(repr(k) for k in children)
         raise ConfigError(f"{what}={key!r} is not one of {choices}") from None
+
+
+_LABEL = {d: d.value for d in Direction}  # label values without Enum.value's property look-up
+
+
+def _check_direction(direction: object) -> None:
+    if direction not in _LABEL:
+        raise ConfigError(f"direction={direction!r} is not one of {', '.join(map(repr, _LABEL))}")
 
 
 def _non_negative(name: str, value: float) -> None:
@@ -174,24 +182,20 @@ class ServiceMetrics:
             return {d: metric.labels(direction=d.value) for d in Direction}
 
         # --- copies -----------------------------------------------------------------------------
-        self._transfer_bytes = per_direction(
-            Counter(
-                PREFIX + "transfer_bytes",
-                "Bytes copied between device and host, by direction (d2h: backup/eviction, "
-                "h2d: prefetch). Counted when a copy batch completes; includes padding.",
-                ["direction"],
-                registry=reg,
-            )
-        )
-        self._transfer_pages = per_direction(
-            Counter(
-                PREFIX + "transfer_pages",
-                "Whole pages copied between device and host, by direction; each page counts "
-                "once for all of its layers.",
-                ["direction"],
-                registry=reg,
-            )
-        )
+        by_direction = {d: (d.value,) for d in Direction}
+        # The per-batch figures (see batch_metrics.py).
+        self._transfer_bytes = BatchCounter(
+            PREFIX + "transfer_bytes",
+            "Bytes copied between device and host, by direction (d2h: backup/eviction, "
+            "h2d: prefetch). Counted when a copy batch completes; includes padding.",
+            ["direction"], by_direction)
+        self._transfer_pages = BatchCounter(
+            PREFIX + "transfer_pages",
+            "Whole pages copied between device and host, by direction; each page counts "
+            "once for all of its layers.",
+            ["direction"], by_direction)
+        reg.register(self._transfer_bytes)
+        reg.register(self._transfer_pages)
         self._transfer_errors = per_direction(
             Counter(
                 PREFIX + "transfer_errors",
@@ -209,26 +213,18 @@ class ServiceMetrics:
         )
         reg.register(self._transfer_duration)
         # --- requests ---------------------------------------------------------------------------
-        requests = Counter(
+        self._requests = BatchCounter(
             PREFIX + "requests",
             "Requests that ended, by direction and outcome (done, failed, cancelled).",
             ["direction", "outcome"],
-            registry=reg,
-        )
-        self._requests = {
-            (d, o): requests.labels(direction=d.value, outcome=o.value)
-            for d in Direction
-            for o in Outcome
-        }
-        self._padding_bytes = per_direction(
-            Counter(
-                PREFIX + "padding_bytes",
-                "Bytes moved only because a request was padded to whole pages, by direction.",
-                ["direction"],
-                registry=reg,
-            )
-        )
-        # Observed a batch of requests at a time (see batch_histogram.py).
+            {(d, o): (d.value, o.value) for d in Direction for o in Outcome})
+        self._padding_bytes = BatchCounter(
+            PREFIX + "padding_bytes",
+            "Bytes moved only because a request was padded to whole pages, by direction.",
+            ["direction"], by_direction)
+        reg.register(self._requests)
+        reg.register(self._padding_bytes)
+        # Observed a batch of requests at a time (see batch_metrics.py).
         self._request_latency = BatchHistogram(
             PREFIX + "request_latency_seconds",
             "Time from submit to the request's end (any outcome), by direction, in seconds.",
@@ -313,9 +309,10 @@ class ServiceMetrics:
         _non_negative("bytes_moved", bytes_moved)
         _non_negative("pages_moved", pages_moved)
         _non_negative("duration_s", duration_s)
-        _pick(self._transfer_bytes, direction, "direction").inc(bytes_moved)
-        self._transfer_pages[direction].inc(pages_moved)
-        self._transfer_duration.observe_many(direction.value, (duration_s,))
+        _check_direction(direction)
+        self._transfer_bytes.inc(direction, bytes_moved)
+        self._transfer_pages.inc(direction, pages_moved)
+        self._transfer_duration.observe_many(_LABEL[direction], (duration_s,))
 
     def record_batch_error(self, direction: Direction) -> None:
         """Count one failed copy batch. Non-blocking."""
@@ -335,9 +332,10 @@ class ServiceMetrics:
         _non_negative("padding_bytes", padding_bytes)
         if not isinstance(outcome, Outcome):
             raise ConfigError(f"outcome={outcome!r} is not an Outcome member")
-        _pick(self._requests, (direction, outcome), "(direction, outcome)").inc()
-        self._request_latency.observe_many(direction.value, (latency_s,))
-        self._padding_bytes[direction].inc(padding_bytes)
+        _check_direction(direction)
+        self._requests.inc((direction, outcome))
+        self._request_latency.observe_many(_LABEL[direction], (latency_s,))
+        self._padding_bytes.inc(direction, padding_bytes)
 
     def record_requests(self, direction: Direction, outcome: Outcome, latencies_s: list[float],
                         padding_bytes: int) -> None:
@@ -345,9 +343,10 @@ class ServiceMetrics:
         _non_negative("padding_bytes", padding_bytes)
         if not isinstance(outcome, Outcome):
             raise ConfigError(f"outcome={outcome!r} is not an Outcome member")
-        _pick(self._requests, (direction, outcome), "(direction, outcome)").inc(len(latencies_s))
-        self._request_latency.observe_many(direction.value, latencies_s)
-        self._padding_bytes[direction].inc(padding_bytes)
+        _check_direction(direction)
+        self._requests.inc((direction, outcome), len(latencies_s))
+        self._request_latency.observe_many(_LABEL[direction], latencies_s)
+        self._padding_bytes.inc(direction, padding_bytes)
 
     def set_queue_depth(self, direction: Direction, requests: int) -> None:
         """Set how many requests of ``direction`` are accepted and not yet ended. Non-blocking."""

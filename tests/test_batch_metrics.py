@@ -1,13 +1,14 @@
-"""BatchHistogram must expose exactly what prometheus_client's Histogram does for the same values."""
+"""BatchHistogram and BatchCounter expose exactly what prometheus_client's Histogram and Counter
+do for the same values (apart from the ``_created`` series)."""
 
 import threading
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from dsa_async.batch_histogram import BatchHistogram
+from dsa_async.batch_metrics import BatchCounter, BatchHistogram
 from dsa_async.metrics import DURATION_BUCKETS_S
 
 values = st.lists(st.one_of(st.sampled_from(DURATION_BUCKETS_S),  # exactly on a bound: le
@@ -63,3 +64,20 @@ def test_concurrent_observations_are_all_counted():
 def test_unsorted_buckets_are_refused():
     with pytest.raises(ValueError, match="ascending"):
         BatchHistogram("z", "help", "direction", ["d2h"], [1.0, 0.5])
+
+
+@given(st.lists(st.tuples(st.sampled_from(["d2h", "h2d"]), st.integers(0, 10**9)), max_size=30))
+def test_counter_has_the_same_exposition_as_a_prometheus_counter(increments):
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    batch = BatchCounter("x_bytes", "help", ["direction"], {d: (d,) for d in ("d2h", "h2d")})
+    ours.register(batch)
+    reference = Counter("x_bytes", "help", ["direction"], registry=theirs)
+    for label in ("d2h", "h2d"):
+        reference.labels(direction=label)
+    for label, amount in increments:
+        batch.inc(label, amount)
+        reference.labels(direction=label).inc(amount)
+    assert _samples(ours) == _samples(theirs)
+    text = [line for line in generate_latest(theirs).decode().splitlines()
+            if "_created" not in line]
+    assert generate_latest(ours).decode().splitlines() == text
