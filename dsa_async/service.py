@@ -66,6 +66,9 @@ class ServiceStatistics:
     inflight_requests: int
 
 
+_RUNNING = ServiceState.RUNNING  # the request paths compare it per call (see kinds.py)
+
+
 def _no_producer() -> None:
     return None
 
@@ -250,7 +253,7 @@ class OffloadService:
         return self.config.num_layers
 
     def _running(self) -> Scheduler:
-        if self._state is not ServiceState.RUNNING:
+        if self._state is not _RUNNING:
             raise ServiceClosedError(
                 f"the service is {self._state.value}; requests need a started service "
                 f"(await service.start() or use 'async with service')")
@@ -326,7 +329,8 @@ class OffloadService:
     def _admit(self, scheduler: Scheduler, direction: Direction, device_pages: PageSeq,
                host_pages: PageSeq | None, owns_host: bool,
                after: object, priority: int, deadline: float, padding: int) -> Transfer:
-        if isinstance(priority, bool) or not isinstance(priority, int):
+        if type(priority) is not int and (isinstance(priority, bool)
+                                          or not isinstance(priority, int)):
             raise IndexTypeError(f"priority must be an int, got {priority!r}")
         if scheduler.queued_requests >= self._max_queued_requests:
             raise QueueFullError(
