@@ -16,6 +16,8 @@ for that. Entries leave the table when their request ends. Loop-thread only; no 
 
 from __future__ import annotations
 
+from itertools import repeat
+from operator import is_
 from typing import TYPE_CHECKING
 
 from .kinds import D2H, H2D
@@ -50,9 +52,22 @@ def _depend(found: dict, pending: Request | list[Request], needs_data: bool) -> 
         found.setdefault(id(pending), (pending, needs_data))
 
 
+#: Requests of at least this many pages take the bulk paths: whole-set checks and updates that
+#: run in C (``isdisjoint``, ``dict.update``), instead of Python work per page.
+BULK_PAGES = 16
+
+
+def _count_in(table: _PageTable, pages) -> int:
+    return sum(map(table.__contains__, pages))
+
+
 def _remove(table: _PageTable, pages, request: Request, other: _PageTable | None) -> int:
     """Drop ``request`` from ``pages`` of ``table``; returns how many pages are now in neither
     ``table`` nor ``other`` (when ``other`` is given: the host side's two tables)."""
+    if len(pages) >= BULK_PAGES and all(map(is_, map(table.get, pages), repeat(request))):
+        for page in pages:  # the request alone on every page: drop them all
+            del table[page]
+        return 0 if other is None else len(pages) - _count_in(other, pages)
     idle = 0
     for page in pages:
         pending = table.get(page)
@@ -95,6 +110,12 @@ class HazardTable:
         needs_data = d is H2D  # a prefetch needs the backup's bytes
         # Host pages: a prefetch reads them, a backup writes them.
         host_side_other = self._writers[D2H] if d is H2D else self._readers[H2D]
+        if (len(reads) >= BULK_PAGES and writers_of_reads.keys().isdisjoint(reads)
+                and readers_of_mine.keys().isdisjoint(reads)):
+            readers_of_mine.update(dict.fromkeys(reads, request))  # nothing to follow
+            if needs_data:
+                self.busy_host_pages += len(reads) - _count_in(host_side_other, reads)
+            reads = ()
         for page in reads:
             writers = writers_of_reads.get(page)
             if writers is not None:
@@ -106,6 +127,12 @@ class HazardTable:
         if writes:
             writers_of_writes: _PageTable = self._writers[d]
             readers_of_writes: _PageTable = self._readers[other]
+            if (len(writes) >= BULK_PAGES and writers_of_writes.keys().isdisjoint(writes)
+                    and readers_of_writes.keys().isdisjoint(writes)):
+                writers_of_writes.update(dict.fromkeys(writes, request))  # nothing to follow
+                if not needs_data:
+                    self.busy_host_pages += len(writes) - _count_in(host_side_other, writes)
+                writes = ()
             for page in writes:
                 writers = writers_of_writes.get(page)
                 readers = readers_of_writes.get(page)
@@ -124,11 +151,11 @@ class HazardTable:
     def register_fresh_host_writes(self, request: Request) -> None:
         """Register host pages allocated after admission (they were free: nothing to follow)."""
         writers: _PageTable = self._writers[D2H]
-        readers: _PageTable = self._readers[H2D]
-        for page in request.host_pages:
-            assert page not in writers and page not in readers, "a free host page was in use"
-            writers[page] = request
-        self.busy_host_pages += len(request.host_pages)
+        pages = request.host_pages
+        assert writers.keys().isdisjoint(pages) and self._readers[H2D].keys().isdisjoint(pages), \
+            "a free host page was in use"
+        writers.update(dict.fromkeys(pages, request))
+        self.busy_host_pages += len(pages)
 
     def retire(self, request: Request) -> None:
         """Forget ``request`` (it ended: done, failed or cancelled)."""

@@ -50,12 +50,20 @@ def _token_range(value: IndexLike, upper_bound: int) -> range | None:
     if n == 0:
         return _EMPTY
     first, last = array.item(0), array.item(-1)
-    if last - first != n - 1 or first < 0 or last >= upper_bound:
-        return None
-    # The span is right; the values are consecutive only if they equal first..last.
-    if n > 1 and np.arange(first, last + 1, dtype=np.int64).tobytes() != array.tobytes():
+    if last - first != n - 1 or first < 0 or last >= upper_bound or not _consecutive(array):
         return None
     return range(first, last + 1)
+
+
+def _consecutive(values: np.ndarray) -> bool:
+    """Whether ``values`` (``int64``, spanning exactly ``size - 1`` from first to last) are
+    ``first, first + 1, ..., last``."""
+    n = values.size
+    if n <= 512:  # one arange and a byte compare: the fewest numpy calls
+        first = values.item(0)
+        return n == 1 or np.arange(first, first + n, dtype=np.int64).tobytes() == values.tobytes()
+    # Large: strictly increasing integers over that span are consecutive; no copies of it all.
+    return bool((values[1:] > values[:-1]).all())
 
 
 def compact(pages: np.ndarray) -> PageSeq:
@@ -64,8 +72,7 @@ def compact(pages: np.ndarray) -> PageSeq:
     if n == 0:
         return _EMPTY
     first = pages.item(0)
-    if pages.item(-1) - first == n - 1 and (
-            n == 1 or np.arange(first, first + n, dtype=np.int64).tobytes() == pages.tobytes()):
+    if pages.item(-1) - first == n - 1 and _consecutive(pages):
         return range(first, first + n)
     return pages.tolist()
 

@@ -98,3 +98,15 @@ def test_compact_and_concat():
     assert compact(np.zeros(0, dtype=np.int64)) == range(0)
     batch = concat_pages([range(3, 5), [9, 1], range(0)], 4)
     assert batch.dtype == np.int64 and batch.tolist() == [3, 4, 9, 1]
+
+
+@pytest.mark.parametrize("n", [513, 5000])
+def test_large_token_ranges_are_recognised_and_near_misses_are_not(n):
+    tokens = torch.arange(100, 100 + n)
+    pages, padding = tokens_to_page_seq(tokens, "t", 10 * n, PS)
+    assert pages == range(100 // PS, (100 + n - 1) // PS + 1)
+    swapped = tokens.clone()
+    swapped[[7, 8]] = swapped[[8, 7]]  # same span, same values, not ascending
+    expected = tokens_to_pages(swapped.numpy(), PS)
+    pages, padding = tokens_to_page_seq(swapped, "t", 10 * n, PS)
+    assert list(pages) == expected.pages.tolist() and padding == expected.padding_tokens
