@@ -50,19 +50,24 @@ def _token_range(value: IndexLike, upper_bound: int) -> range | None:
     if n == 0:
         return _EMPTY
     first, last = array.item(0), array.item(-1)
-    if last - first != n - 1 or first < 0 or last >= upper_bound or not _consecutive(array):
+    if last - first != n - 1 or first < 0 or last >= upper_bound:
+        return None
+    # The span is right; the values are consecutive only if they are first..last.
+    if n <= _SMALL:
+        if n > 1 and np.arange(first, last + 1, dtype=np.int64).tobytes() != array.tobytes():
+            return None
+    elif not _increasing(array):
         return None
     return range(first, last + 1)
 
 
-def _consecutive(values: np.ndarray) -> bool:
-    """Whether ``values`` (``int64``, spanning exactly ``size - 1`` from first to last) are
-    ``first, first + 1, ..., last``."""
-    n = values.size
-    if n <= 512:  # one arange and a byte compare: the fewest numpy calls
-        first = values.item(0)
-        return n == 1 or np.arange(first, first + n, dtype=np.int64).tobytes() == values.tobytes()
-    # Large: strictly increasing integers over that span are consecutive; no copies of it all.
+#: Up to this many values, one arange and a byte compare is the cheapest consecutive check;
+#: beyond it, copying the values costs more than comparing neighbours in place.
+_SMALL = 512
+
+
+def _increasing(values: np.ndarray) -> bool:
+    """Strictly increasing (for integers spanning exactly ``size - 1``: consecutive)."""
     return bool((values[1:] > values[:-1]).all())
 
 
@@ -71,9 +76,11 @@ def compact(pages: np.ndarray) -> PageSeq:
     n = pages.size
     if n == 0:
         return _EMPTY
-    first = pages.item(0)
-    if pages.item(-1) - first == n - 1 and _consecutive(pages):
-        return range(first, first + n)
+    first, last = pages.item(0), pages.item(-1)
+    if last - first == n - 1 and (
+            _increasing(pages) if n > _SMALL else
+            n == 1 or np.arange(first, last + 1, dtype=np.int64).tobytes() == pages.tobytes()):
+        return range(first, last + 1)
     return pages.tolist()
 
 
