@@ -154,7 +154,11 @@ class HazardTable:
         pages = request.host_pages
         assert writers.keys().isdisjoint(pages) and self._readers[H2D].keys().isdisjoint(pages), \
             "a free host page was in use"
-        writers.update(dict.fromkeys(pages, request))
+        if len(pages) >= BULK_PAGES:
+            writers.update(dict.fromkeys(pages, request))
+        else:
+            for page in pages:
+                writers[page] = request
         self.busy_host_pages += len(pages)
 
     def retire(self, request: Request) -> None:
