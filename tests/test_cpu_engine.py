@@ -43,12 +43,15 @@ def _engine(layout, fused, layers, with_kv, done):
 
 
 def _page_sets(rng, n):
-    """Host extents with device runs of 4, and single pages scattered on both sides."""
+    """Host extents with device runs of 4, single pages scattered on both sides, and one run
+    on both sides (the plan's one-segment shortcut)."""
     start = int(rng.integers(0, HOST_PAGES - n))
     runs = rng.choice(DEVICE_PAGES // 4, -(-n // 4), replace=False) * 4
     extent_device = (runs[:, None] + np.arange(4)).reshape(-1)[:n]
     yield np.arange(start, start + n), extent_device
     yield rng.choice(HOST_PAGES, n, replace=False), rng.choice(DEVICE_PAGES, n, replace=False)
+    device_start = int(rng.integers(0, DEVICE_PAGES - n))
+    yield np.arange(start, start + n), np.arange(device_start, device_start + n)
 
 
 @pytest.mark.parametrize("layers", [1, 61])
@@ -129,3 +132,15 @@ async def test_layers_become_ready_in_order_seen_by_callbacks(fused):
             assert handle.error is None and handle.layers_ready == 61
     finally:
         await asyncio.to_thread(engine.close)
+
+
+def test_the_one_run_plan_is_the_general_plan(monkeypatch):
+    from dsa_async.transfer import copyplan
+
+    host, device = np.arange(5, 45), np.arange(100, 140)
+    fast = copyplan.PagePlan.build(host, device)
+    monkeypatch.setattr(copyplan, "_one_run", lambda pages: False)
+    general = copyplan.PagePlan.build(host, device)
+    assert fast.runs.tolist() == general.runs.tolist() and fast.mode is general.mode
+    assert [(s.host_start, s.num_pages, s.device_start, s.device_index) for s in fast.segments] \
+        == [(s.host_start, s.num_pages, s.device_start, s.device_index) for s in general.segments]

@@ -46,6 +46,12 @@ class Segment:
     device_index: torch.Tensor | None  #: int64 [num_pages] when scattered on the device
 
 
+def _one_run(pages: np.ndarray) -> bool:
+    """Whether ``pages`` (``int64 [n]``, n > 1) are ``first, first + 1, ..., first + n - 1``."""
+    return (pages.item(-1) - pages.item(0) == pages.size - 1
+            and bool((pages[1:] > pages[:-1]).all()))
+
+
 @dataclass(frozen=True)
 class PagePlan:
     """Precomputed indices and coalescing for one batch (all tensors ``int64``, CPU)."""
@@ -60,9 +66,17 @@ class PagePlan:
     @classmethod
     def build(cls, host_pages: np.ndarray, device_pages: np.ndarray) -> PagePlan:
         n = int(host_pages.size)
-        runs = page_runs(host_pages, device_pages)
         host_index = torch.from_numpy(host_pages)
         device_index = torch.from_numpy(device_pages)
+        if n > 1 and _one_run(host_pages) and _one_run(device_pages):
+            # One run on both sides (e.g. a whole sequence loaded back): the plan is one
+            # segment, found without the general pass over every page, so the first layer's
+            # copy (what a waiting forward pass sees) starts sooner.
+            start_host, start_device = host_pages.item(0), device_pages.item(0)
+            runs = np.array([[start_host, start_device, n]], dtype=np.int64)
+            return cls(n, host_index, device_index, runs,
+                       (Segment(start_host, n, start_device, None),), CopyMode.SEGMENTS)
+        runs = page_runs(host_pages, device_pages)
         breaks = np.flatnonzero(np.diff(host_pages) != 1) + 1 if n else np.zeros(0, np.int64)
         bounds = np.concatenate(([0], breaks, [n])) if n else np.zeros(1, np.int64)
         segments = []
