@@ -85,17 +85,10 @@ class BatchCounter(Collector):
         self._values = dict.fromkeys(series, 0.0)
         self._lock = threading.Lock()
 
-    def __contains__(self, key: object) -> bool:
-        return key in self._values
-
     def inc(self, key: Hashable, amount: float = 1.0) -> None:
         """Add ``amount`` (``>= 0``, checked by the caller) to ``key``'s series. Non-blocking."""
         with self._lock:
             self._values[key] += amount
-
-    def value(self, key: Hashable) -> float:
-        with self._lock:
-            return self._values[key]
 
     def describe(self) -> Iterable[Metric]:
         return [CounterMetricFamily(self.name, self._documentation, labels=self._label_names)]

@@ -18,7 +18,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from .pages import IndexLike, checked_index_array, pair_tokens_to_pages, tokens_to_pages
+from .pages import IndexLike, checked_index_array, is_run, pair_tokens_to_pages, tokens_to_pages
 
 #: Pages of one request, in request order, each page once.
 PageSeq = range | list[int]
@@ -50,25 +50,9 @@ def _token_range(value: IndexLike, upper_bound: int) -> range | None:
     if n == 0:
         return _EMPTY
     first, last = array.item(0), array.item(-1)
-    if last - first != n - 1 or first < 0 or last >= upper_bound:
-        return None
-    # The span is right; the values are consecutive only if they are first..last.
-    if n <= _SMALL:
-        if n > 1 and np.arange(first, last + 1, dtype=np.int64).tobytes() != array.tobytes():
-            return None
-    elif not _increasing(array):
+    if first < 0 or last >= upper_bound or not is_run(array):
         return None
     return range(first, last + 1)
-
-
-#: Up to this many values, one arange and a byte compare is the cheapest consecutive check;
-#: beyond it, copying the values costs more than comparing neighbours in place.
-_SMALL = 512
-
-
-def _increasing(values: np.ndarray) -> bool:
-    """Strictly increasing (for integers spanning exactly ``size - 1``: consecutive)."""
-    return bool((values[1:] > values[:-1]).all())
 
 
 def compact(pages: np.ndarray) -> PageSeq:
@@ -76,11 +60,9 @@ def compact(pages: np.ndarray) -> PageSeq:
     n = pages.size
     if n == 0:
         return _EMPTY
-    first, last = pages.item(0), pages.item(-1)
-    if last - first == n - 1 and (
-            _increasing(pages) if n > _SMALL else
-            n == 1 or np.arange(first, last + 1, dtype=np.int64).tobytes() == pages.tobytes()):
-        return range(first, last + 1)
+    if is_run(pages):
+        first = pages.item(0)
+        return range(first, first + n)
     return pages.tolist()
 
 

@@ -85,7 +85,7 @@ def checked_index_array(value: IndexLike, *, name: str, upper_bound: int | None 
     array = array.astype(np.int64, copy=False)
     is_range = False
     if array.size:
-        is_range = _is_range(array)
+        is_range = is_run(array)
         low, high = (int(array[0]), int(array[-1])) if is_range else (
             int(array.min()), int(array.max()))
         if low < 0:
@@ -101,11 +101,19 @@ def checked_index_array(value: IndexLike, *, name: str, upper_bound: int | None 
     return array, is_range
 
 
-def _is_range(values: np.ndarray) -> bool:
-    """Whether a non-empty array is one ascending run ``first, first + 1, ..., last``."""
+#: Up to this many values, one arange and a byte compare is the cheapest run check; beyond it,
+#: copying the values costs more than comparing neighbours in place.
+_SMALL_RUN = 512
+
+
+def is_run(values: np.ndarray) -> bool:
+    """Whether a non-empty integer array is one ascending run ``first, first + 1, ..., last``."""
     n = values.size
-    if int(values[-1]) - int(values[0]) != n - 1:
+    first = values.item(0)
+    if values.item(-1) - first != n - 1:
         return False
+    if n <= _SMALL_RUN and values.dtype == np.int64:
+        return n == 1 or np.arange(first, first + n, dtype=np.int64).tobytes() == values.tobytes()
     # Strictly increasing integers spanning exactly n - 1 are consecutive.
     return n == 1 or bool((values[1:] > values[:-1]).all())
 
@@ -153,7 +161,7 @@ def tokens_to_pages(tokens: np.ndarray, page_size_tokens: int, *,
     ``is_range``: whether the tokens are one ascending range, when the caller already knows.
     """
     n = tokens.size
-    if n and (_is_range(tokens) if is_range is None else is_range):
+    if n and (is_run(tokens) if is_range is None else is_range):
         # One ascending range (the common case): no sort, no unique.
         first, last = int(tokens[0]) // page_size_tokens, int(tokens[-1]) // page_size_tokens
         pages = np.arange(first, last + 1, dtype=np.int64)

@@ -69,10 +69,6 @@ class ServiceStatistics:
 _RUNNING = ServiceState.RUNNING  # the request paths compare it per call (see kinds.py)
 
 
-def _no_producer() -> None:
-    return None
-
-
 def _make_engine(backend: Backend, *args, **kwargs) -> TransferEngine:
     if backend is Backend.CUDA:
         from .transfer.cuda import CudaEngine
@@ -111,7 +107,6 @@ class OffloadService:
         self._fault_hook = fault_hook
         self._engine_factory = engine_factory  # None: the backend's engine
         self._max_queued_requests = config.max_queued_requests
-        self._capture_producer: Callable[[], object | None] = _no_producer
         self._state = ServiceState.NEW
         self._closed = asyncio.Event()
         self._scheduler: Scheduler | None = None
@@ -173,7 +168,6 @@ class OffloadService:
             factory, bindings, handoff, self._on_batch_done, fault_hook=self._fault_hook)
         self._scheduler = Scheduler(config, self._pool, self._engine, self.metrics, loop,
                                     self._pressure)
-        self._capture_producer = self._engine.capture_producer
         self._lag_monitor = EventLoopLagMonitor(self.metrics.observe_loop_lag)
         self._lag_monitor.start()
         self._scheduler.publish_state(now=True)
@@ -220,7 +214,6 @@ class OffloadService:
         if self._lag_monitor is not None:
             await self._lag_monitor.stop()
             self._lag_monitor = None
-        self._capture_producer = _no_producer  # it holds the engine, and so the arenas
         if self._engine is not None:
             engine, self._engine = self._engine, None
             await asyncio.to_thread(engine.close)
@@ -338,7 +331,7 @@ class OffloadService:
                 f"(ServiceConfig.max_queued_requests) is {self.config.max_queued_requests}; "
                 f"await earlier transfers before submitting more, or raise the bound")
         if after is None:  # evictions wait for the caller's current stream (CUDA)
-            producer = self._capture_producer() if direction is D2H else None
+            producer = self._engine.capture_producer() if direction is D2H else None
         else:
             producer = self._producer(after)
         future = self._loop.create_future()

@@ -139,7 +139,7 @@ def test_the_one_run_plan_is_the_general_plan(monkeypatch):
 
     host, device = np.arange(5, 45), np.arange(100, 140)
     fast = copyplan.PagePlan.build(host, device)
-    monkeypatch.setattr(copyplan, "_one_run", lambda pages: False)
+    monkeypatch.setattr(copyplan, "is_run", lambda pages: False)
     general = copyplan.PagePlan.build(host, device)
     assert fast.runs.tolist() == general.runs.tolist() and fast.mode is general.mode
     assert [(s.host_start, s.num_pages, s.device_start, s.device_index) for s in fast.segments] \

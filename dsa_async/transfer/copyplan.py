@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ..kinds import Direction
-from ..pages import page_runs
+from ..pages import is_run, page_runs
 from .buffers import PoolBinding, wide_view
 
 #: Below this many bytes per call, Python and dispatch overhead dominate a copy.
@@ -46,12 +46,6 @@ class Segment:
     device_index: torch.Tensor | None  #: int64 [num_pages] when scattered on the device
 
 
-def _one_run(pages: np.ndarray) -> bool:
-    """Whether ``pages`` (``int64 [n]``, n > 1) are ``first, first + 1, ..., first + n - 1``."""
-    return (pages.item(-1) - pages.item(0) == pages.size - 1
-            and bool((pages[1:] > pages[:-1]).all()))
-
-
 @dataclass(frozen=True)
 class PagePlan:
     """Precomputed indices and coalescing for one batch (all tensors ``int64``, CPU)."""
@@ -68,7 +62,7 @@ class PagePlan:
         n = int(host_pages.size)
         host_index = torch.from_numpy(host_pages)
         device_index = torch.from_numpy(device_pages)
-        if n > 1 and _one_run(host_pages) and _one_run(device_pages):
+        if n > 1 and is_run(host_pages) and is_run(device_pages):
             # One run on both sides (e.g. a whole sequence loaded back): the plan is one
             # segment, found without the general pass over every page, so the first layer's
             # copy (what a waiting forward pass sees) starts sooner.
