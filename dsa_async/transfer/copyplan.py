@@ -148,9 +148,14 @@ def copy_layers_cpu(binding: PoolBinding, plan: PagePlan, direction: Direction, 
 
 
 def _same_width(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Wide views of both sides when they agree on the element type, else the bytes."""
+    """Views of both sides in the widest element type both allow (every index op takes its
+    two sides through here: they must agree on the element type)."""
     wide_a, wide_b = wide_view(a), wide_view(b)
-    return (wide_a, wide_b) if wide_a.dtype == wide_b.dtype else (a, b)
+    if wide_a.dtype == wide_b.dtype:
+        return wide_a, wide_b
+    size = min(wide_a.element_size(), wide_b.element_size())
+    narrow = wide_a if wide_a.element_size() == size else wide_b
+    return a.view(narrow.dtype), b.view(narrow.dtype)
 
 
 def _scatter_segments_fused(host: torch.Tensor, dev: torch.Tensor, plan: PagePlan) -> None:
@@ -169,10 +174,14 @@ def _copy_segments(host: torch.Tensor, dev: torch.Tensor, plan: PagePlan, to_hos
         if seg.device_index is None:
             d = dev[seg.device_start:seg.device_start + seg.num_pages]
             (h.copy_(d) if to_host else d.copy_(h))
-        elif to_host:
-            torch.index_select(wide_view(dev), 0, seg.device_index, out=wide_view(h))
+            continue
+        # Both sides of one index op in the same element type: the device rows may allow a
+        # narrower one than the host segment (e.g. 8-byte but not 16-byte aligned).
+        h_w, d_w = _same_width(h, dev)
+        if to_host:
+            torch.index_select(d_w, 0, seg.device_index, out=h_w)
         else:
-            wide_view(dev).index_copy_(0, seg.device_index, wide_view(h))
+            d_w.index_copy_(0, seg.device_index, h_w)
 
 
 def _copy_scattered(host: torch.Tensor, dev: torch.Tensor, plan: PagePlan, to_host: bool,
@@ -181,9 +190,7 @@ def _copy_scattered(host: torch.Tensor, dev: torch.Tensor, plan: PagePlan, to_ho
     src_index, dst_index = (
         (plan.device_index, plan.host_index) if to_host else (plan.host_index, plan.device_index)
     )
-    src_w, dst_w = wide_view(src), wide_view(dst)
-    if src_w.dtype != dst_w.dtype:  # one side strided differently: fall back to bytes
-        src_w, dst_w = src, dst
+    src_w, dst_w = _same_width(src, dst)
     buffer = staging.rows(src_w, plan.num_pages)
     torch.index_select(src_w, 0, src_index, out=buffer)
     dst_w.index_copy_(0, dst_index, buffer)
