@@ -1,19 +1,38 @@
 """A page-extent allocator: free space as extents, best-fit runs, merging on free.
 
-Free space is kept twice: by address (a sorted list of extent starts plus a map start ->
-length, for merging neighbours and for "is this page free?") and by size (a sorted list of the
-distinct free lengths, each with its starts in address order). Allocation takes the smallest
-free extent that holds the whole request (one contiguous run, best fit; the lowest address
-among equals); otherwise it takes the largest extents first, which yields the fewest runs.
-Freed extents merge with free neighbours, so a pool whose pages were all returned is one free
-extent again. A best-fit allocation or a free is O(log extents) look-ups plus list inserts
-(memmoves), so a fragmented pool stays fast; nothing is per page or per token. Not
-thread-safe: one owner (the event loop).
+Allocation takes the smallest free extent that holds the whole request (one contiguous run,
+best fit; the lowest address among equals); otherwise it takes the largest extents first (the
+lowest address among equals), which yields the fewest runs. Freed extents merge with free
+neighbours, so a pool whose pages were all returned is one free extent again.
+
+Free space is indexed so that no operation scans the free extents:
+
+* by address, two maps: extent start -> length and extent end -> start. Merging a freed run
+  with its neighbours is two dictionary look-ups (the extent ending where the run starts, the
+  one starting where it ends);
+* by size, segregated free lists: the distinct free lengths in a sorted list, and per length a
+  min-heap of extent starts (lowest address first). A heap may hold stale starts (extents since
+  merged or taken); they are dropped when they reach the top, and a heap is rebuilt when stale
+  entries outnumber live ones, so each is paid for once. Disjoint extents of distinct lengths
+  sum to at most the capacity, so there are at most ``sqrt(2 * capacity_pages)`` lengths (885
+  for 391,000 pages) and the sorted list of them stays short;
+* per page, a free map (one byte per page) answers "is this page free?" for the pool's
+  ownership checks; it is updated with one slice assignment per run.
+
+A best-fit allocation or a free is O(log holes): a bisect over the lengths, heap operations and
+dictionary look-ups. Nothing is per page except the free map's slice update, which is one
+``memcpy`` of the run's length. Not thread-safe: one owner (the event loop); nothing blocks.
 """
 
 from __future__ import annotations
 
 import bisect
+from heapq import heapify, heappop, heappush
+
+#: A heap is rebuilt without its stale entries when it holds more than this many times its
+#: live extents (plus a few): memory stays proportional to the free extents.
+_STALE_FACTOR = 2
+_STALE_SLACK = 16
 
 
 class ExtentAllocator:
@@ -22,18 +41,22 @@ class ExtentAllocator:
     def __init__(self, capacity_pages: int) -> None:
         assert capacity_pages >= 0
         self.capacity_pages = capacity_pages
-        self._starts: list[int] = []  # free extent starts, ascending
-        self._lengths: dict[int, int] = {}  # free extent start -> length
+        self._by_start: dict[int, int] = {}  # free extent start -> length
+        self._by_end: dict[int, int] = {}  # free extent end (exclusive) -> start
         self._sizes: list[int] = []  # distinct free extent lengths, ascending
-        self._by_size: dict[int, list[int]] = {}  # length -> starts of that length, ascending
+        self._live: dict[int, int] = {}  # length -> number of free extents of that length
+        self._heaps: dict[int, list[int]] = {}  # length -> min-heap of starts (some stale)
+        self._free_map = bytearray(capacity_pages)  # 1 where the page is free
+        self._ones = memoryview(b"\x01" * capacity_pages)
+        self._zeros = memoryview(bytes(capacity_pages))
         self.free_pages = 0
         if capacity_pages:
             self.free(0, capacity_pages)
 
     @property
     def free_extents(self) -> list[tuple[int, int]]:
-        """Free extents ``(start, length)`` in address order (a copy)."""
-        return [(s, self._lengths[s]) for s in self._starts]
+        """Free extents ``(start, length)`` in address order (a fresh list)."""
+        return sorted(self._by_start.items())
 
     @property
     def largest_free_extent_pages(self) -> int:
@@ -47,20 +70,18 @@ class ExtentAllocator:
         start = self.allocate_run(num_pages)  # best fit: the smallest extent that holds it all
         if start is not None:
             return [(start, num_pages)]
-        sizes = self._sizes
+        # No extent holds it all: whole extents, the largest first, until the last one that
+        # is only partly needed. Taking whole extents creates none, so each step's largest
+        # extent is the next in (length descending, address ascending) order.
         runs = []
         needed = num_pages
-        for length in reversed(sizes):  # the largest extents first: the fewest runs
-            for start in self._by_size[length]:
-                take = min(needed, length)
-                runs.append((start, take))
-                needed -= take
-                if not needed:
-                    break
-            if not needed:
-                break
-        for start, take in runs:
-            self._take(start, take)
+        while needed:
+            length = self._sizes[-1]
+            start = self._lowest_start(length)
+            take = min(needed, length)
+            self._take(start, length, take)
+            runs.append((start, take))
+            needed -= take
         runs.sort()
         return runs
 
@@ -72,110 +93,128 @@ class ExtentAllocator:
         i = bisect.bisect_left(sizes, num_pages)
         if i == len(sizes):
             return None
-        start = self._by_size[sizes[i]][0]
-        self._take(start, num_pages)
+        length = sizes[i]
+        start = self._lowest_start(length)
+        self._take(start, length, num_pages)
         return start
 
     def first_free(self, pages: range | list[int]) -> int | None:
-        """The first of ``pages`` (in their order) that is free, or ``None`` if all are taken."""
-        starts, lengths = self._starts, self._lengths
-        if not starts:
-            return None
+        """The first of ``pages`` (in their order) that is free, or ``None`` if all are taken.
+
+        Pages outside ``[0, capacity_pages)`` count as taken."""
+        free_map = self._free_map
         if type(pages) is range and pages.step == 1:
-            if not pages:
-                return None
-            i = bisect.bisect_right(starts, pages.start) - 1  # the extent at or before start
-            if i >= 0 and starts[i] + lengths[starts[i]] > pages.start:
-                return pages.start
-            if i + 1 < len(starts) and starts[i + 1] < pages.stop:
-                return starts[i + 1]
-            return None
+            page = free_map.find(1, max(pages.start, 0), max(pages.stop, 0))
+            return None if page < 0 else page
+        capacity = self.capacity_pages
         for page in pages:
-            i = bisect.bisect_right(starts, page) - 1
-            if i >= 0 and starts[i] + lengths[starts[i]] > page:
+            if 0 <= page < capacity and free_map[page]:
                 return page
         return None
 
-    def _bucket_add(self, length: int, start: int) -> None:
-        bucket = self._by_size.get(length)
-        if bucket is None:
-            self._by_size[length] = [start]
+    def free(self, start: int, num_pages: int) -> None:
+        """Return one run; the caller guarantees it is allocated (the pool checks page states)."""
+        end = start + num_pages
+        assert num_pages > 0 and 0 <= start and end <= self.capacity_pages
+        assert self._free_map.find(1, start, end) < 0, "overlaps a free extent"
+        self._free_map[start:end] = self._ones[:num_pages]
+        self.free_pages += num_pages
+        by_start, by_end = self._by_start, self._by_end
+        prev_start = by_end.pop(start, None)  # the free extent that ends where this run starts
+        next_length = by_start.pop(end, None)  # the free extent that starts where it ends
+        if next_length is not None:
+            next_end = end + next_length
+            if prev_start is not None:  # three extents become one
+                self._unindex(end, next_length)
+                prev_length = by_start[prev_start]
+                by_start[prev_start] = next_end - prev_start
+                by_end[next_end] = prev_start
+                self._reindex(prev_start, prev_length, prev_start, next_end - prev_start)
+            else:  # the next extent now starts here
+                by_start[start] = next_end - start
+                by_end[next_end] = start
+                self._reindex(end, next_length, start, next_end - start)
+        elif prev_start is not None:  # the previous extent now ends here
+            prev_length = by_start[prev_start]
+            by_start[prev_start] = end - prev_start
+            by_end[end] = prev_start
+            self._reindex(prev_start, prev_length, prev_start, end - prev_start)
+        else:
+            by_start[start] = num_pages
+            by_end[end] = start
+            self._index(start, num_pages)
+
+    # --- the size index ---------------------------------------------------------------------
+
+    def _lowest_start(self, length: int) -> int:
+        """The lowest start among free extents of ``length`` (one must exist)."""
+        heap = self._heaps[length]
+        by_start = self._by_start
+        while by_start.get(heap[0]) != length:
+            heappop(heap)  # stale: that extent was merged or taken since
+        return heap[0]
+
+    def _index(self, start: int, length: int) -> None:
+        """Add a free extent to the size index (its address entries are the caller's)."""
+        count = self._live.get(length)
+        if count is None:
+            self._live[length] = 1
+            self._heaps[length] = [start]
             bisect.insort(self._sizes, length)
-        elif start > bucket[-1]:
-            bucket.append(start)
-        else:
-            bisect.insort(bucket, start)
+            return
+        self._live[length] = count + 1
+        heap = self._heaps[length]
+        heappush(heap, start)
+        if len(heap) > _STALE_FACTOR * (count + 1) + _STALE_SLACK:
+            by_start = self._by_start
+            heap[:] = {s for s in heap if by_start.get(s) == length}
+            heapify(heap)
 
-    def _bucket_remove(self, length: int, start: int) -> None:
-        bucket = self._by_size[length]
-        if len(bucket) == 1:
-            del self._by_size[length]
-            del self._sizes[bisect.bisect_left(self._sizes, length)]
-        else:
-            del bucket[bisect.bisect_left(bucket, start)]
+    def _unindex(self, start: int, length: int) -> None:
+        """Drop a free extent from the size index (its address entries are the caller's)."""
+        count = self._live[length] - 1
+        if count:
+            self._live[length] = count
+            heap = self._heaps[length]
+            if heap[0] == start:
+                heappop(heap)
+            return
+        del self._live[length], self._heaps[length]
+        sizes = self._sizes
+        del sizes[bisect.bisect_left(sizes, length)]
 
-    def _resize(self, old_start: int, old_length: int, new_start: int, new_length: int) -> None:
-        """Move the size index entry of one free extent (its address slot is the caller's)."""
-        sizes, by_size = self._sizes, self._by_size
-        bucket = by_size[old_length]
-        if len(bucket) == 1 and new_length not in by_size:
+    def _reindex(self, old_start: int, old_length: int, new_start: int, new_length: int) -> None:
+        """Move one free extent in the size index: it changed its start or length."""
+        live = self._live
+        if live[old_length] == 1 and new_length not in live:
+            sizes = self._sizes
             j = bisect.bisect_left(sizes, old_length)
             low, high = ((new_length, old_length) if new_length < old_length
                          else (old_length, new_length))
             if (j == 0 or sizes[j - 1] < low) and (j + 1 == len(sizes) or sizes[j + 1] > high):
-                # Alone at its length before and after, with no length in between: it keeps
-                # its slot (the common case when one large extent feeds many allocations).
+                # Alone at its length before and after, with no length in between (one large
+                # extent feeding many allocations): it keeps its place in the sorted lengths.
                 sizes[j] = new_length
-                del by_size[old_length]
-                by_size[new_length] = bucket
-                bucket[0] = new_start
+                del live[old_length]
+                live[new_length] = 1
+                heaps = self._heaps
+                del heaps[old_length]
+                heaps[new_length] = [new_start]
                 return
-        self._bucket_remove(old_length, old_start)
-        self._bucket_add(new_length, new_start)
+        self._unindex(old_start, old_length)
+        self._index(new_start, new_length)
 
-    def _take(self, start: int, num_pages: int) -> None:
-        """Take the first ``num_pages`` of the free extent at ``start``."""
-        length = self._lengths.pop(start)
-        i = bisect.bisect_left(self._starts, start)
-        if length > num_pages:  # the rest stays free, in the same place in address order
+    def _take(self, start: int, length: int, num_pages: int) -> None:
+        """Take the first ``num_pages`` of the free extent of ``length`` pages at ``start``."""
+        by_start = self._by_start
+        del by_start[start]
+        if length > num_pages:  # the rest stays free
             rest = start + num_pages
-            self._starts[i] = rest
-            self._lengths[rest] = length - num_pages
-            self._resize(start, length, rest, length - num_pages)
+            by_start[rest] = length - num_pages
+            self._by_end[start + length] = rest
+            self._reindex(start, length, rest, length - num_pages)
         else:
-            del self._starts[i]
-            self._bucket_remove(length, start)
+            del self._by_end[start + length]
+            self._unindex(start, length)
+        self._free_map[start:start + num_pages] = self._zeros[:num_pages]
         self.free_pages -= num_pages
-
-    def free(self, start: int, num_pages: int) -> None:
-        """Return one run; the caller guarantees it is allocated (the pool checks page states)."""
-        assert num_pages > 0 and 0 <= start and start + num_pages <= self.capacity_pages
-        starts, lengths = self._starts, self._lengths
-        i = bisect.bisect_left(starts, start)
-        prev_start = starts[i - 1] if i > 0 else None
-        next_start = starts[i] if i < len(starts) else None
-        assert next_start is None or start + num_pages <= next_start, "overlaps a free extent"
-        assert prev_start is None or prev_start + lengths[prev_start] <= start
-        self.free_pages += num_pages
-        merge_next = next_start is not None and start + num_pages == next_start
-        merge_prev = prev_start is not None and prev_start + lengths[prev_start] == start
-        if merge_next and merge_prev:  # three extents become one
-            next_length = lengths.pop(next_start)
-            self._bucket_remove(next_length, next_start)
-            del starts[i]
-            prev_length = lengths[prev_start]
-            lengths[prev_start] = prev_length + num_pages + next_length
-            self._resize(prev_start, prev_length, prev_start, lengths[prev_start])
-        elif merge_next:  # the next extent now starts here
-            next_length = lengths.pop(next_start)
-            starts[i] = start
-            lengths[start] = num_pages + next_length
-            self._resize(next_start, next_length, start, num_pages + next_length)
-        elif merge_prev:
-            prev_length = lengths[prev_start]
-            lengths[prev_start] = prev_length + num_pages
-            self._resize(prev_start, prev_length, prev_start, prev_length + num_pages)
-        else:
-            starts.insert(i, start)
-            lengths[start] = num_pages
-            self._bucket_add(num_pages, start)
