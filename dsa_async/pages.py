@@ -82,6 +82,12 @@ def checked_index_array(value: IndexLike, *, name: str, upper_bound: int | None 
         raise IndexValueError(
             f"{name} must be 1-D, got shape {tuple(array.shape)}; flatten it with .reshape(-1)"
         )
+    if array.dtype.kind == "u" and array.dtype.itemsize == 8 and array.size:
+        # Values of 2**63 and above would wrap to negatives in int64: refuse them as given.
+        too_large = array > _INT64_MAX
+        if too_large.any():
+            at = int(np.argmax(too_large))
+            raise _out_of_range(name, at, int(array[at]), upper_bound)
     array = array.astype(np.int64, copy=False)
     is_range = False
     if array.size:
@@ -94,11 +100,21 @@ def checked_index_array(value: IndexLike, *, name: str, upper_bound: int | None 
         if upper_bound is not None:
             if high >= upper_bound:
                 at = int(np.argmax(array >= upper_bound))
-                raise IndexValueError(
-                    f"{name}[{at}] = {int(array[at])} is out of range: this side holds {upper_bound} "
-                    f"slots (valid 0..{upper_bound - 1})"
-                )
+                raise _out_of_range(name, at, int(array[at]), upper_bound)
     return array, is_range
+
+
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+def _out_of_range(name: str, at: int, value: int, upper_bound: int | None) -> IndexValueError:
+    if upper_bound is None:
+        return IndexValueError(
+            f"{name}[{at}] = {value} is out of range: indices are int64 (at most {_INT64_MAX})")
+    return IndexValueError(
+        f"{name}[{at}] = {value} is out of range: this side holds {upper_bound} slots "
+        f"(valid 0..{upper_bound - 1})"
+    )
 
 
 #: Up to this many values, one arange and a byte compare is the cheapest run check; beyond it,

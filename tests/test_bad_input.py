@@ -10,6 +10,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import pytest
 import torch
 from fake_roots import GIB, make_root
@@ -254,3 +255,25 @@ def _check_message(case: Case, error: BaseException) -> None:
     message = str(error)
     for fragment in case.fragments:
         assert fragment in message, f"{fragment!r} missing from: {message}"
+
+
+
+@pytest.mark.parametrize("form", ["tensor", "array"])
+async def test_uint64_tokens_above_int64_are_reported_as_given(form, tmp_path):
+    """A uint64 index of 2**63 or more does not fit the int64 page table. The refusal names the
+    value as given and says it is out of range, not a wrapped negative the caller never passed."""
+    given = [3, 2**63 + 5]
+    value = (torch.tensor(given, dtype=torch.uint64) if form == "tensor"
+             else np.array(given, dtype=np.uint64))
+    service, _ = make_service(tmp_path, host_pages=HOST_PAGES, device_pages=DEVICE_PAGES)
+    async with service, asyncio.timeout(BOUND_S):
+        before = service.statistics()
+        for side, call in (("device_tokens", lambda: service.evict(value)),
+                           ("host_tokens", lambda: service.evict(torch.tensor([0, 1]),
+                                                                 host_tokens=value))):
+            with pytest.raises(IndexValueError) as refused:
+                call()
+            message = str(refused.value)
+            assert f"{side}[1] = {2**63 + 5} is out of range" in message, message
+            assert "negative" not in message
+        assert service.statistics() == before

@@ -132,3 +132,12 @@ def test_index_input_accepts_tensors_arrays_and_lists():
 @given(st.lists(st.integers(0, 2000), max_size=100))
 def test_validation_never_changes_values(tokens):
     assert as_index_array(torch.tensor(tokens, dtype=torch.int64), name="t").tolist() == tokens
+
+
+@pytest.mark.parametrize("upper_bound, reason", [(100, "valid 0..99"), (None, "int64")])
+def test_unsigned_indices_beyond_int64_are_named_as_given(upper_bound, reason):
+    value = np.array([5, 2**64 - 1], dtype=np.uint64)
+    with pytest.raises(IndexValueError, match=rf"t\[1\] = {2**64 - 1} is out of range: .*{reason}"):
+        as_index_array(value, name="t", upper_bound=upper_bound)
+    assert as_index_array(np.array([5, 2**63 - 1], dtype=np.uint64), name="t").tolist() == [
+        5, 2**63 - 1]
