@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 
 from .config import ServiceConfig
-from .errors import HostPoolExhausted, TransferFailedError
+from .errors import HostPoolExhausted, TransferFailedError, UnknownHostPagesError
 from .hazards import HazardTable
 from .host_pool import HostPages, HostPool
 from .kinds import CANCELLED, D2H, DONE, FAILED, H2D, Direction, Outcome, Timeliness
@@ -61,6 +61,7 @@ class Scheduler:
         self._host_wait_since: dict[Request, float] = {}
         self._pending_layers: dict[Request, list[tuple[int, asyncio.Future]]] = {}
         self._orphans: list = []  # host pages to free once the copies still reading them end
+        self._orphan_ids: set[int] = set()  # their allocation ids: not the caller's to release
         self._pressure_tasks: set[asyncio.Task] = set()
         self._flush_handle: asyncio.Handle | None = None
         self._expiry_handle: asyncio.TimerHandle | None = None
@@ -283,8 +284,11 @@ class Scheduler:
             self._host_wait_since.pop(request, None)
         self.hazards.retire(request)  # its host pages may be released again
         if request.owns_host and outcome is not DONE and request.host_handle is not None:
+            # The service chose these pages and the backup did not end done: they are the
+            # service's to free (never the caller's), once no copy reads them.
             self._orphans.append(request.host_handle)
-            self._free_orphans()
+            self._orphan_ids.add(request.host_handle.allocation_id)
+        self._free_orphans()  # this request may have been the last reader of orphaned pages
         future = request.future
         if outcome is DONE:
             future.set_result(result)
@@ -304,6 +308,9 @@ class Scheduler:
                     layer_future.set_exception(error) if error else layer_future.cancel()
         if check_idle:
             self._check_idle()
+        # Whatever waited for this request (a dependency, its pages) may go now; also when it
+        # ended inside a flush pass that chose nothing else (that pass made progress too).
+        self.schedule_flush()
 
     def _check_idle(self) -> None:
         if not self._batches and not self.queues[D2H] and not self.queues[H2D]:
@@ -312,6 +319,11 @@ class Scheduler:
     def release_host(self, handle: HostPages) -> None:
         """Return ``handle``'s pages to the pool now; refuses (changing nothing) while a queued
         or running copy reads or writes any of them. Does not block."""
+        if handle.allocation_id in self._orphan_ids:
+            raise UnknownHostPagesError(
+                f"{handle!r} holds the host pages of an eviction that was cancelled or failed; "
+                f"the service frees them itself once no copy uses them: drop the handle "
+                f"instead of releasing it")
         self.pool.release(handle, self.hazards.host_pages_busy)
 
     def _free_orphans(self) -> None:
@@ -322,6 +334,7 @@ class Scheduler:
             if self.hazards.host_pages_busy(handle.page_seq):
                 still.append(handle)
             else:
+                self._orphan_ids.discard(handle.allocation_id)
                 self.pool.release(handle)
         self._orphans = still
 

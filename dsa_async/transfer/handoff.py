@@ -47,7 +47,13 @@ class LoopHandoff:
         items = self._items
         while items:
             fn, args = items.popleft()
-            fn(*args)
+            try:
+                fn(*args)
+            except Exception as exc:  # noqa: BLE001 - one broken callback must not strand the rest
+                self.loop.call_exception_handler({
+                    "message": f"dsa_async: completion callback {fn!r} raised",
+                    "exception": exc,
+                })
 
     def drain_now(self) -> None:
         """Run whatever is queued, on the calling (loop) thread."""
