@@ -11,9 +11,22 @@ between is a multiple of the host page size (4 KiB), so two chunks never share a
 registration covers the whole pages it touches; a partial page at either end of the arena may
 therefore be shared with a neighbouring allocation. If that neighbour is itself registered, the
 driver refuses the chunk as already registered: the chunk is then retried without its partial
-end pages (those few bytes stay pageable; copies that touch them stay correct, the driver just
-stages them). A range that is page-locked by someone else altogether (a caller's
-``pin_memory()`` buffer) is left as it is and not unregistered by us.
+end pages, which stay page-locked by the neighbour's registration.
+
+Copies and registration edges. One ``cudaMemcpyAsync`` must stay inside one registration: the
+driver does not stitch two registrations together, it refuses such a range
+(``cudaErrorInvalidValue``) or treats it as pageable memory, and a pageable device-to-host copy
+blocks the issuing thread until it is done. Chunk edges fall anywhere inside a page row (rows
+are not 4 KiB multiples), so moving the edges cannot avoid this for multi-page runs; instead
+:meth:`HostPinning.registration_map` gives the copy code every edge and it splits each host
+range there (``registrations.RegistrationMap.split``). Chunks are registered with
+``cudaHostRegisterMapped`` too, so gather/scatter kernels can reach the arena through unified
+addressing (``mapped``); those have no edge limit.
+
+Locked-memory limit. The CUDA driver pins registered memory itself; as far as measured it does
+not count ``cudaHostRegister`` against ``RLIMIT_MEMLOCK`` (the limit is printed in refusals for
+reference only). A refusal means host memory or the driver's own limits ran out: make the pool
+smaller.
 
 Error isolation. A failed CUDA runtime call also leaves its code as the calling thread's "last
 error", which PyTorch's next kernel-launch check on that thread would report as its own failure.
@@ -33,13 +46,15 @@ from typing import TypeVar
 import torch
 
 from ..errors import HostBudgetExceeded
+from .registrations import HOST_PAGE_BYTES, RegistrationMap
 
 log = logging.getLogger(__name__)
 
-HOST_PAGE_BYTES = 4096
 DEFAULT_CHUNK_BYTES = 1 << 30
 #: ``cudaHostRegisterPortable``: page-locked for every CUDA context, not only the current one.
 CUDA_HOST_REGISTER_PORTABLE = 1
+#: ``cudaHostRegisterMapped``: also mapped into the device address space (kernels may use it).
+CUDA_HOST_REGISTER_MAPPED = 2
 CUDA_SUCCESS = 0
 CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
 CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED = 713
@@ -142,17 +157,19 @@ class HostPinning:
     """Registrations made by one engine; ``pinned_bytes`` is exactly what it page-locked.
 
     ``foreign_bytes``: bytes of the given ranges that were already page-locked by someone else
-    (left alone); ``pageable_edge_bytes``: partial end pages left pageable because a
-    neighbouring registration holds their page (see the module docstring).
+    (left alone); ``pageable_edge_bytes``: partial end pages not registered by their own chunk
+    because a neighbouring registration already holds their page (see the module docstring).
     """
 
     def __init__(self, device: torch.device, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 flags: int = CUDA_HOST_REGISTER_PORTABLE) -> None:
+                 flags: int = CUDA_HOST_REGISTER_PORTABLE | CUDA_HOST_REGISTER_MAPPED) -> None:
         self.device = device
         self.chunk_bytes = chunk_bytes
         self.flags = flags
         self.registrations: list[Registration] = []
         self.foreign_bytes = 0
+        #: ``[start, stop)`` chunks found page-locked by someone else (their edges are unknown)
+        self.foreign_ranges: list[tuple[int, int]] = []
         self.pageable_edge_bytes = 0
         self._lock = threading.Lock()
 
@@ -160,6 +177,17 @@ class HostPinning:
     def pinned_bytes(self) -> int:
         with self._lock:
             return sum(r.nbytes for r in self.registrations)
+
+    def registration_map(self) -> RegistrationMap:
+        """Every registration edge of this engine, ours and foreign (copies split there)."""
+        with self._lock:
+            ranges = [(r.start, r.stop) for r in self.registrations] + list(self.foreign_ranges)
+        return RegistrationMap(ranges)
+
+    def own_map(self) -> RegistrationMap:
+        """Only the registrations this object made (mapped for the device with its flags)."""
+        with self._lock:
+            return RegistrationMap((r.start, r.stop) for r in self.registrations)
 
     def register_tensor_storage(self, tensor: torch.Tensor, what: str) -> None:
         """Page-lock the whole storage behind ``tensor`` (a CPU tensor), once."""
@@ -179,6 +207,8 @@ class HostPinning:
             self.device, lambda: self._register_pieces(ptr, ptr + nbytes, pieces))
         with self._lock:
             self.registrations.extend(done)
+            self.foreign_ranges.extend(foreign)
+            foreign = sum(stop - start for start, stop in foreign)
             self.foreign_bytes += foreign
             self.pageable_edge_bytes += edges
         if foreign:
@@ -189,16 +219,17 @@ class HostPinning:
             raise HostBudgetExceeded(
                 f"could not page-lock {what}: cudaHostRegister refused {stop - start:,} B at "
                 f"offset {start - ptr:,} of the arena's {nbytes:,} B with "
-                f"{cuda_error_text(code)}; nothing of this arena stays page-locked. "
-                f"{memlock_limit_text()}. Raise the locked-memory limit (ulimit -l, "
-                f"LimitMEMLOCK= for systemd, docker --ulimit memlock=-1) or make the host pool "
-                f"smaller"
+                f"{cuda_error_text(code)}; nothing of this arena stays page-locked. Make the "
+                f"host pool smaller (ServiceConfig.host_pool) or free host memory. For "
+                f"reference: {memlock_limit_text()} (the driver does not charge "
+                f"cudaHostRegister to it as far as measured)"
             )
 
     def _register_pieces(self, lo: int, hi: int, pieces: list[tuple[int, int]]):
         """Runs on the isolated thread. Returns (registrations, foreign, edges, failure)."""
         done: list[Registration] = []
-        foreign = edges = 0
+        foreign: list[tuple[int, int]] = []
+        edges = 0
         for start, stop in pieces:
             code = _register(start, stop, self.flags)
             if code == CUDA_SUCCESS:
@@ -214,11 +245,11 @@ class HostPinning:
                     done.append(Registration(inner_start, inner_stop))
                     edges += (stop - start) - (inner_stop - inner_start)
                     continue
-                foreign += stop - start  # page-locked by its owner: leave it alone
+                foreign.append((start, stop))  # page-locked by its owner: leave it alone
                 continue
             for reg in done:  # undo this call's chunks: all or nothing
                 _unregister(reg.start)
-            return [], 0, 0, (start, stop, code)
+            return [], [], 0, (start, stop, code)
         return done, foreign, edges, None
 
     def unregister_all(self) -> list[str]:
