@@ -76,6 +76,8 @@ class ServiceConfig:
     reserve_bytes: int | None = None
     budget_root: str | None = None
     ledger_directory: str | None = None
+    #: Device staging per copy direction (cuda backend), allocated at start, never later.
+    device_staging_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         geometries = self.geometries
@@ -104,6 +106,13 @@ class ServiceConfig:
         _check_seconds("drain_timeout_s", self.drain_timeout_s)
         if self.reserve_bytes is not None:
             _check_int("reserve_bytes", self.reserve_bytes, 0)
+        _check_int("device_staging_bytes", self.device_staging_bytes, 1)
+        widest_row = max(g.bytes_per_page_per_layer for g in geometries)
+        if self.device_staging_bytes < 2 * widest_row:  # two halves of one page row each
+            raise ConfigError(
+                f"ServiceConfig.device_staging_bytes={self.device_staging_bytes:,} is below two "
+                f"page rows of the widest pool ({widest_row:,} B each); give at least "
+                f"{2 * widest_row:,} B (default {64 << 20:,})")
 
     @property
     def page_size_tokens(self) -> int:

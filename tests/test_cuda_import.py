@@ -22,14 +22,10 @@ from dsa_async.kinds import Backend, Direction
 from dsa_async.service import OffloadService
 from dsa_async.transfer.base import resolve_backend
 from dsa_async.transfer.buffers import bind_pool
-from dsa_async.transfer.cuda_copy import (
-    DevicePlan,
-    DeviceStaging,
-    copy_pool,
-    h2d_layer_group,
-)
+from dsa_async.transfer.cuda_copy import BatchCopy, CopyPath, DeviceStaging, PoolTarget
 from dsa_async.transfer.handoff import LoopHandoff
 from dsa_async.transfer.pinning import chunk_ranges, memlock_limit_text
+from dsa_async.transfer.registrations import RegistrationMap
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-device path")
 
@@ -131,37 +127,46 @@ def _page_sets(kind, rng, n, host_pages, device_pages):
     return rng.permutation(host_pages)[:n], rng.permutation(device_pages)[:n]
 
 
-def _run(bindings, host, dev, direction, capacity):
-    plan = DevicePlan.build(host.astype(np.int64), dev.astype(np.int64), torch.device("cpu"))
-    staging = DeviceStaging(torch.device("cpu"), capacity)
-    values = list(bindings.values())
-    if direction is Direction.D2H:
-        for b in values:
-            copy_pool(b, plan, direction, 0, b.geometry.num_layers, staging)
-        return
-    group = h2d_layer_group(values)
-    layers = max(b.geometry.num_layers for b in values)
+CPU = torch.device("cpu")
+
+
+def _targets(bindings, mapped=True):
+    """Pool targets as the engine builds them; on the CPU the "mapped view" is the arena."""
+    return [PoolTarget.of(b, b.host if mapped else None) for b in bindings.values()]
+
+
+def _run(bindings, host, dev, direction, capacity, mapped=True):
+    """Issue one batch the way the engine does (plan, one upload, layer groups)."""
+    targets = _targets(bindings, mapped)
+    index_pages = min(min(b.host.shape[1], b.device_pages) for b in bindings.values())
+    staging = DeviceStaging(CPU, capacity, index_pages)
+    copy = BatchCopy(host.astype(np.int64), dev.astype(np.int64), targets, direction, staging,
+                     RegistrationMap([]))
+    copy.upload_index()
+    layers = max(b.geometry.num_layers for b in bindings.values())
+    group = layers if direction is Direction.D2H else copy.h2d_group
     for first in range(0, layers, group):
-        for b in values:
-            copy_pool(b, plan, direction, first, min(first + group, b.geometry.num_layers),
-                      staging)
+        copy.issue(first, min(first + group, layers))
+    return copy
 
 
-_CASES = [(layout, fused, layers, kind, 64 << 20)
+_CASES = [(layout, fused, layers, kind, 64 << 20, mapped)
           for layout in HostLayout for fused in (True, False) for layers in (1, 5)
-          for kind in ("contiguous", "extents", "long_runs", "random")]
-_CASES += [(layout, fused, 5, kind, 150_000)  # several tiles per batch
-           for layout in HostLayout for fused in (True, False) for kind in ("extents", "random")]
+          for kind in ("contiguous", "extents", "long_runs", "random")
+          for mapped in (True, False)]
+_CASES += [(layout, fused, 5, kind, 150_000, mapped)  # several tiles per batch
+           for layout in HostLayout for fused in (True, False) for kind in ("extents", "random")
+           for mapped in (True, False)]
 
 
-@pytest.mark.parametrize(("layout", "fused", "layers", "kind", "capacity"), _CASES)
-def test_cuda_copy_plan_round_trips_byte_exact(layout, fused, layers, kind, capacity):
+@pytest.mark.parametrize(("layout", "fused", "layers", "kind", "capacity", "mapped"), _CASES)
+def test_cuda_copy_plan_round_trips_byte_exact(layout, fused, layers, kind, capacity, mapped):
     rng = np.random.default_rng(layers * 7 + len(kind))
     _pool, bindings = _setup(layout, fused, layers)
     n = 16
     host, dev = _page_sets(kind, rng, n, 40, 48)
     before = {name: [t.clone() for t in b.device_layers] for name, b in bindings.items()}
-    _run(bindings, host, dev, Direction.D2H, capacity)
+    _run(bindings, host, dev, Direction.D2H, capacity, mapped)
     for name, b in bindings.items():
         for layer in range(layers):
             assert torch.equal(b.host[layer][torch.as_tensor(host)],
@@ -171,7 +176,7 @@ def test_cuda_copy_plan_round_trips_byte_exact(layout, fused, layers, kind, capa
     for b in bindings.values():
         for t in b.device_layers:
             t[torch.as_tensor(targets)] = 0
-    _run(bindings, host, targets, Direction.H2D, capacity)
+    _run(bindings, host, targets, Direction.H2D, capacity, mapped)
     for name, b in bindings.items():
         for layer in range(layers):
             got = b.device_layers[layer][torch.as_tensor(targets)]
@@ -181,32 +186,55 @@ def test_cuda_copy_plan_round_trips_byte_exact(layout, fused, layers, kind, capa
                                before[name][layer][torch.as_tensor(untouched)])
 
 
-def test_device_plan_splits_host_segments_and_device_runs():
+def _paths(copy):
+    return [plan.path for plan in copy.plans]
+
+
+def test_batch_plan_picks_memcpy_for_runs_and_extents_and_kernels_for_scattered_hosts():
+    rng = np.random.default_rng(3)
+    _pool, bindings = _setup(HostLayout.LAYER_FIRST, False, 3)
+    cases = {
+        "contiguous": [CopyPath.RUNS, CopyPath.RUNS],
+        "extents": [CopyPath.STAGED, CopyPath.STAGED],
+        "random": [CopyPath.MAPPED, CopyPath.MAPPED],
+    }
+    for kind, paths in cases.items():
+        host, dev = _page_sets(kind, rng, 16, 40, 48)
+        assert _paths(_run(bindings, host, dev, Direction.H2D, 64 << 20)) == paths, kind
+    host, dev = _page_sets("random", rng, 16, 40, 48)
+    unmapped = _run(bindings, host, dev, Direction.H2D, 64 << 20, mapped=False)
+    assert _paths(unmapped) == [CopyPath.STAGED, CopyPath.STAGED]
+
+
+def test_batch_plan_cuts_host_segments_per_tile_once():
     host = np.array([7, 8, 9, 10, 11, 40, 41], dtype=np.int64)
     dev = np.array([3, 4, 5, 90, 91, 12, 13], dtype=np.int64)
-    plan = DevicePlan.build(host, dev, torch.device("cpu"))
-    assert [(s.pos, s.host_start, s.num_pages) for s in plan.segments] == [(0, 7, 5), (5, 40, 2)]
-    assert plan.segments[0].device_runs == ((0, 3, 3), (3, 90, 2))
-    assert plan.segments[1].device_start == 12 and plan.segments[0].device_start is None
-    assert plan.device_start is None and plan.device_index.tolist() == dev.tolist()
-    assert list(plan.host_pieces(0, 7)) == [(0, 7, 5), (5, 40, 2)]
-    assert list(plan.host_pieces(2, 6)) == [(0, 9, 3), (3, 40, 1)]
-    assert list(plan.host_pieces(6, 7)) == [(0, 41, 1)]
+    _pool, bindings = _setup(HostLayout.LAYER_FIRST, False, 1, host_pages=48, device_pages=96)
+    staging = DeviceStaging(CPU, 1 << 20, 48)
+    copy = BatchCopy(host, dev, _targets(bindings), Direction.D2H, staging, RegistrationMap([]))
+    assert copy.segment_pos.tolist() == [0, 5] and copy.segment_host.tolist() == [7, 40]
+    assert copy.runs.tolist() == [[7, 3, 3], [10, 90, 2], [40, 12, 2]]
+    assert copy.host_pieces(0, 7).rows == ((0, 7, 5), (5, 40, 2))
+    assert copy.host_pieces(2, 6).rows == ((0, 9, 3), (3, 40, 1))
+    assert copy.host_pieces(6, 7).rows == ((0, 41, 1),)
+    assert copy.device_start is None
 
 
-def test_device_plan_knows_when_the_device_side_is_one_run():
-    plan = DevicePlan.build(np.arange(4, dtype=np.int64), np.arange(10, 14, dtype=np.int64),
-                            torch.device("cpu"))
-    assert plan.device_start == 10 and len(plan.segments) == 1
+def test_batch_plan_knows_when_the_device_side_is_one_run():
+    _pool, bindings = _setup(HostLayout.LAYER_FIRST, False, 1)
+    staging = DeviceStaging(CPU, 1 << 20, 40)
+    copy = BatchCopy(np.array([5, 1, 9], dtype=np.int64), np.arange(10, 13, dtype=np.int64),
+                     _targets(bindings), Direction.H2D, staging, RegistrationMap([]))
+    assert copy.device_start == 10 and len(copy.segment_pos) == 3
 
 
-def test_h2d_layer_group_widens_only_for_page_first_hosts():
-    assert h2d_layer_group([bind_pool(dsa_indexer(num_layers=61), *_arena_and_device(61))]) == 1
-    pf = dsa_indexer(num_layers=61, host_layout=HostLayout.PAGE_FIRST)
-    group = h2d_layer_group([bind_pool(pf, *_arena_and_device(61, page_first=True))])
-    assert group * pf.bytes_per_page_per_layer >= 256 * 1024 and group < 61
-
-
-def _arena_and_device(layers, page_first=False):
-    shape = (2, layers, 8448) if page_first else (layers, 2, 8448)
-    return torch.zeros(shape, dtype=torch.uint8), torch.zeros(layers, 2, 8448, dtype=torch.uint8)
+def test_h2d_layer_group_widens_only_for_unmapped_page_first_hosts():
+    rng = np.random.default_rng(0)
+    host, dev = _page_sets("random", rng, 16, 40, 48)
+    _pool, lf = _setup(HostLayout.LAYER_FIRST, False, 61)
+    assert _run(lf, host, dev, Direction.H2D, 64 << 20, mapped=False).h2d_group == 1
+    _pool, pf = _setup(HostLayout.PAGE_FIRST, False, 61)
+    assert _run(pf, host, dev, Direction.H2D, 64 << 20, mapped=True).h2d_group == 1
+    group = _run(pf, host, dev, Direction.H2D, 64 << 20, mapped=False).h2d_group
+    widest_row = max(b.geometry.bytes_per_page_per_layer for b in pf.values())
+    assert group == -(-256 * 1024 // widest_row) and 1 < group < 61  # ~256 KiB per page call

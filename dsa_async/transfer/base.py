@@ -44,12 +44,21 @@ class TransferEngine(abc.ABC):
         """Enqueue ``batch``; returns at once with its handle. Never blocks on a copy."""
 
     @abc.abstractmethod
-    def wait_layer(self, handle: BatchHandle, layer: int) -> None:
+    def wait_layer(self, handle: BatchHandle, layer: int, timeout_s: float | None,
+                   classify: Callable[[bool, float], None]) -> None:
         """Make the calling thread's consumer wait for ``layer`` of ``handle``.
 
-        CPU: blocks the calling thread until the layer is copied. CUDA: blocks only until the
-        layer's copy is enqueued, then makes the caller's current stream wait on its event.
-        Never call it on the event-loop thread.
+        Blocks the calling (forward-pass) thread at most ``timeout_s`` in total (``None``: no
+        limit), then raises ``TimeoutError`` and leaves the transfer running; raises
+        ``TransferFailedError`` if the batch failed before the layer was ready. CPU: blocks
+        until the layer is copied. CUDA: blocks only until the layer's copy is enqueued, then
+        makes the caller's current stream wait on its event (GPU-side).
+
+        ``classify(late, waited_s)`` is called exactly once for a call that returns, possibly
+        later and from an engine thread, never for a call that raises: ``late`` is true only
+        when the consumer actually waited for the copy (CPU: the calling thread blocked; CUDA:
+        the current stream reached this point before the layer's event, decided from device
+        timestamps), ``waited_s`` is how long. Never call it on the event-loop thread.
         """
 
     def capture_producer(self) -> object | None:

@@ -1,26 +1,41 @@
 """CUDA backend: one copy stream per direction, per-layer events, device-timed durations.
 
-This is the only module (with its helpers ``cuda_copy`` and ``pinning``) that touches
-``torch.cuda``; importing it needs no device.
+This is the only module (with its helpers ``cuda_copy``, ``cuda_driver``, ``copy_streams``,
+``mapped``, ``layer_probes`` and ``pinning``) that touches ``torch.cuda``; importing it needs no
+device.
+
+Everything the engine needs on the device is made in its constructor (the service's
+``start()``), never while serving: the arenas are page-locked and mapped, two copy streams of
+its own are created (``copy_streams``; loads at the higher priority) and checked distinct, and
+each direction's staging and index buffers are allocated (``ServiceConfig.device_staging_bytes``
+per direction). An out-of-memory there is a ``ConfigError`` naming the setting.
 
 Threads, per direction::
 
     submit() ──queue──▶ issuing thread ──queue──▶ completion thread ──▶ handoff ──▶ loop
-                        (waits, copies, records      (synchronizes events in order,
-                         events; never blocks         marks layers ready, finishes,
-                         on a copy)                   recycles events)
+                        (waits, plans, copies,       (synchronizes events in order,
+                         records events; never        marks layers ready, resolves
+                         blocks on a copy)            timeliness probes, recycles events)
 
 * The issuing thread makes its copy stream wait (GPU-side) for the batch's dependencies and
-  producers, records a timing event, issues the coalesced copies (``cuda_copy``) and records
-  events: one per layer for H2D (appended to ``handle.layer_events``, then
-  ``handle.mark_issued``), one end event for every batch. A dependency is waited for by first
-  waiting (CPU-side) until its copies are *issued*, never until they complete, then
+  producers, plans the batch once (``cuda_copy.BatchCopy``: paths, tiles, one index upload),
+  then records the start timing event, issues the copies and records events: one per layer
+  for H2D (appended to ``handle.layer_events``, then ``handle.mark_issued``), one end event
+  for every batch. The start event is recorded after planning and the waits, so the
+  device-timed duration covers the copies only. A dependency is waited for by first waiting
+  (CPU-side) until its copies are *issued*, never until they complete, then
   ``stream.wait_event`` on its end event.
 * The completion thread synchronizes the layer events in order, posts per-layer readiness to
-  the loop, then the end event; it reports the device-timed duration and the outcome, and only
-  then returns the events to the pool (an event is re-recorded only after it completed).
+  the loop, then the end event; it reports the device-timed duration and the outcome, resolves
+  the timeliness probes of ``wait_layer`` calls (``layer_probes``), and only then returns the
+  events to the pool (an event is re-recorded only after it completed).
 * ``wait_layer`` (forward-pass thread) blocks only until the layer is issued, then makes the
   caller's current stream wait on the layer's event: no CPU wait on the copy.
+
+Which streams a copy waits for: its ``after`` producers, each an event recorded on the
+submitting thread (``capture_producer``: the submitting thread's current stream at submit;
+``normalize_after``: a caller's event as given, a caller's stream as an event recorded on it
+at submit), and the end events of the earlier batches it depends on (hazards).
 
 Event reuse is guarded per batch: dependents and ``wait_layer`` read a batch's events under its
 lock and skip the wait once the batch completed (the work is done, nothing to wait for), and the
@@ -43,19 +58,20 @@ from ..kinds import Backend, Direction
 from .base import FaultHook, TransferEngine
 from .batch import BatchHandle, CopyBatch
 from .buffers import PoolBinding
-from .cuda_copy import (
-    DEFAULT_STAGING_BYTES,
-    DevicePlan,
-    DeviceStaging,
-    copy_pool,
-    h2d_layer_group,
-)
+from .copy_streams import CopyStreams
+from .cuda_copy import DEFAULT_STAGING_BYTES, BatchCopy, DeviceStaging, PoolTarget
 from .handoff import LoopHandoff
+from .layer_probes import ON_TIME, Classify, LayerProbe, call_classify, verdict
+from .mapped import mapped_view
 from .pinning import DEFAULT_CHUNK_BYTES, HostPinning
 
 log = logging.getLogger(__name__)
 
 _STATE = "_cuda_progress"  # attribute this backend adds to its BatchHandles
+
+
+def _ignore_verdict(late: bool, waited_s: float) -> None:
+    """``classify`` of callers that do not count timeliness."""
 
 
 def require_cuda() -> None:
@@ -71,7 +87,7 @@ def require_cuda() -> None:
 class _Progress:
     """CUDA-side state of one batch, attached to its handle."""
 
-    __slots__ = ("end", "error", "issued", "lock", "recycled", "start")
+    __slots__ = ("end", "error", "issued", "lock", "probes", "recycled", "start")
 
     def __init__(self) -> None:
         self.issued = threading.Event()  #: set once every copy (and the end event) is enqueued
@@ -80,6 +96,7 @@ class _Progress:
         self.end: torch.cuda.Event | None = None
         self.error: BaseException | None = None  #: raised while issuing
         self.recycled = False  #: events went back to the pool: the batch completed
+        self.probes: list[LayerProbe] = []  #: wait_layer calls to resolve at completion
 
 
 class _EventPool:
@@ -106,10 +123,11 @@ class _EventPool:
 class _Lane:
     """Everything one direction owns: stream, staging, event pools, queues, threads."""
 
-    def __init__(self, engine: CudaEngine, direction: Direction) -> None:
+    def __init__(self, engine: CudaEngine, direction: Direction, stream: torch.cuda.Stream,
+                 staging: DeviceStaging) -> None:
         self.direction = direction
-        self.stream = torch.cuda.Stream(device=engine.device)
-        self.staging = DeviceStaging(engine.device, engine.staging_bytes)
+        self.stream = stream
+        self.staging = staging
         self.timing_events = _EventPool(enable_timing=True)
         self.layer_events = _EventPool(enable_timing=engine.layer_event_timing)
         self.pending: queue.SimpleQueue[BatchHandle | None] = queue.SimpleQueue()
@@ -122,35 +140,74 @@ class _Lane:
 
 
 class CudaEngine(TransferEngine):
-    """Transfer engine on CUDA streams. Page-locks the pools' host arenas for its lifetime."""
+    """Transfer engine on CUDA streams. Page-locks the pools' host arenas for its lifetime.
+
+    ``staging_bytes``: device staging per direction (``ServiceConfig.device_staging_bytes``;
+    ``None``: the class default), allocated here, never later.
+    """
 
     backend = Backend.CUDA
-    #: Bytes per device staging buffer (per direction; a page_first host uses two).
+    #: Default bytes of device staging per direction.
     staging_bytes = DEFAULT_STAGING_BYTES
     #: Largest single cudaHostRegister call.
     pin_chunk_bytes = DEFAULT_CHUNK_BYTES
-    #: Per-layer events with timing (tests read their timestamps; slower to synchronize).
-    layer_event_timing = False
+    #: Per-layer events with timing: timeliness compares them with the consumer's probe.
+    layer_event_timing = True
 
     def __init__(self, bindings: Mapping[str, PoolBinding], handoff: LoopHandoff,
                  on_batch_done: Callable[[BatchHandle], None], *,
-                 fault_hook: FaultHook | None = None) -> None:
+                 fault_hook: FaultHook | None = None, staging_bytes: int | None = None) -> None:
         require_cuda()
         super().__init__(bindings, handoff, on_batch_done, fault_hook=fault_hook)
+        if staging_bytes is not None:
+            self.staging_bytes = staging_bytes
         self.device = self._check_bindings()
         self._closed = False
         self._close_lock = threading.Lock()
+        self._probe_events = _EventPool(enable_timing=True)
+        self._streams: CopyStreams | None = None
         self._pinning = HostPinning(self.device, chunk_bytes=self.pin_chunk_bytes)
         try:
             for name, binding in self.bindings.items():
                 self._pinning.register_tensor_storage(binding.host, f"host pool {name!r}")
-            self._lanes = {d: _Lane(self, d) for d in Direction}
+            self.registrations = self._pinning.registration_map()
+            own = self._pinning.own_map()
+            self.targets = [PoolTarget.of(b, mapped_view(b.host, self.device, own))
+                            for b in self.bindings.values()]
+            self._streams = CopyStreams.create(self.device)
+            staging = self._allocate_staging()
+            self._lanes = {d: _Lane(self, d, self._streams.streams[d], staging[d])
+                           for d in Direction}
         except BaseException:
+            if self._streams is not None:
+                self._streams.destroy()
             self._pinning.unregister_all()
             raise
         for lane in self._lanes.values():
             lane.issuer.start()
             lane.completer.start()
+
+    def _allocate_staging(self) -> dict[Direction, DeviceStaging]:
+        """Both directions' staging and index buffers, now; ``ConfigError`` if they do not fit."""
+        index_pages = min(min(b.host.shape[1], b.device_pages) for b in self.bindings.values())
+        try:
+            return {d: DeviceStaging(self.device, self.staging_bytes, index_pages)
+                    for d in Direction}
+        except torch.cuda.OutOfMemoryError as exc:
+            free_bytes, total_bytes = torch.cuda.mem_get_info(self.device)
+            need = 2 * (self.staging_bytes + 16 * index_pages)
+            raise ConfigError(
+                f"the cuda backend could not allocate its device staging on {self.device}: "
+                f"{need:,} B (2 directions x ({self.staging_bytes:,} B staging + "
+                f"{16 * index_pages:,} B page index)); the device has {free_bytes:,} B free of "
+                f"{total_bytes:,} B. Lower ServiceConfig.device_staging_bytes (at least two "
+                f"page rows), or start the service before the KV cache takes the device memory"
+            ) from exc
+
+    @property
+    def copy_streams(self) -> dict[Direction, torch.cuda.Stream]:
+        """The stream each direction copies on (made for this engine alone)."""
+        return {d: lane.stream for d, lane in self._lanes.items()}
 
     @property
     def pinned_bytes(self) -> int:
@@ -191,42 +248,93 @@ class CudaEngine(TransferEngine):
         return handle
 
     def capture_producer(self) -> torch.cuda.Event:
-        """An event on the calling thread's current stream: a backup starts after the work
-        queued there before it. Work on other streams (e.g. a forward pass driven by another
-        thread) is not covered: such callers pass their own event as ``after``."""
+        """An event recorded now on the calling thread's current stream (call it on the
+        submitting thread, before any hand-off to the loop). Never blocks.
+
+        A backup then starts after the kernels queued there that wrote its pages, and a load
+        after the kernels queued there that still read (or write) the device pages it
+        replaces. Work on other streams is not covered: callers pass it in ``after``."""
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
         return event
 
-    def normalize_after(self, after: object) -> object:
-        if isinstance(after, (torch.cuda.Event, torch.cuda.Stream)):
+    def normalize_after(self, after: object) -> torch.cuda.Event:
+        """One caller-given producer as an event to wait for (call on the submitting thread).
+
+        A ``torch.cuda.Event`` is used as it is; for a ``torch.cuda.Stream`` an event is
+        recorded on it now, so the copy waits for the work queued there by the time of submit.
+        Anything else raises ``TypeError`` (Transfers and sequences are unpacked by the service
+        before this is called). Never blocks.
+        """
+        if isinstance(after, torch.cuda.Event):
             return after
+        if isinstance(after, torch.cuda.Stream):
+            event = torch.cuda.Event()
+            event.record(after)
+            return event
         raise TypeError(
-            f"after={after!r} is not a producer the cuda backend can wait for; pass a "
-            f"torch.cuda.Event (recorded after the kernels that wrote the pages), a "
-            f"torch.cuda.Stream, or a Transfer"
+            f"after={after!r} ({type(after).__name__}) is not a producer the cuda backend can "
+            f"wait for; pass a torch.cuda.Event (recorded after the kernels that wrote the "
+            f"pages), a torch.cuda.Stream (the copy waits for what is queued on it at submit), "
+            f"a Transfer, or a sequence of these"
         )
 
     # --- consumer side ----------------------------------------------------------------------
 
-    def wait_layer(self, handle: BatchHandle, layer: int) -> None:
-        handle.wait_issued(layer)  # CPU: only until the layer's copy is enqueued
+    def wait_layer(self, handle: BatchHandle, layer: int, timeout_s: float | None = None,
+                   classify: Classify | None = None) -> None:
+        """Order the calling thread's current stream after ``layer`` of ``handle``.
+
+        Blocks the calling (forward-pass) thread at most ``timeout_s`` in total, only until
+        the layer's copy is *issued* (``TimeoutError`` after that, the transfer keeps running;
+        ``TransferFailedError`` if the batch failed first), then makes the current stream wait
+        on the layer's event: the CPU never waits for the copy itself. ``classify(late,
+        waited_s)`` is called exactly once when this returns normally, possibly later from the
+        completion thread: ``late`` only if the current stream reached this point before the
+        layer's copy ended (device timestamps), ``waited_s`` how long it then waited. It is not
+        called when this raises (nor when it is ``None``).
+        """
+        classify = classify or _ignore_verdict
         if handle.layers_ready > layer:
-            return  # its copy completed: later GPU work is ordered after it already
+            call_classify(classify, *ON_TIME)  # already landed: nothing to order, not late
+            return
         progress: _Progress = getattr(handle, _STATE)
+        consumer = torch.cuda.current_stream(self.device)
+        probe_event = self._probe_events.take()
+        # Timeliness: completes when the consumer's stream has run what was queued before this
+        # call, i.e. when it is ready for the layer (compared with the layer's event later).
+        probe_event.record(consumer)
+        probe = LayerProbe(layer, probe_event, classify)
         with progress.lock:
-            if progress.recycled:
-                return  # completed meanwhile (events already reused): nothing to wait for
-            events = handle.layer_events
-            event = events[layer] if layer < len(events) else progress.end
-            if event is not None:
-                # Per-layer readiness: the consumer's kernels queued after this point read the
-                # layer only once its copy landed; the CPU does not wait for the copy.
-                torch.cuda.current_stream(self.device).wait_event(event)
+            resolved = progress.recycled
+            if not resolved:
+                progress.probes.append(probe)
+        if resolved:  # completed between the check above and now
+            call_classify(classify, *ON_TIME)
+            return
+        try:
+            handle.wait_issued(layer, timeout_s)  # CPU: only until the copy is enqueued
+        except BaseException:
+            with progress.lock:
+                probe.cancelled = True  # nobody classifies a call that raised
+            raise
+        with progress.lock:
+            if not progress.recycled:
+                events = handle.layer_events
+                event = events[layer] if layer < len(events) else progress.end
+                if event is not None:
+                    # Per-layer readiness: the consumer's kernels queued after this point read
+                    # the layer only once its copy landed; the CPU does not wait for the copy.
+                    consumer.wait_event(event)
+                probe.armed = True  # the completion thread classifies it
+                return
+            result = probe.verdict or ON_TIME  # resolved by the completion thread meanwhile
+        call_classify(classify, *result)
 
     # --- shutdown ---------------------------------------------------------------------------
 
     def close(self) -> None:
+        """Drain, then release the streams and unregister the arenas. Blocks (off the loop)."""
         with self._close_lock:
             if self._closed:
                 return
@@ -236,9 +344,15 @@ class CudaEngine(TransferEngine):
         for lane in self._lanes.values():
             lane.issuer.join()
             lane.completer.join()
-        for lane in self._lanes.values():
-            lane.stream.synchronize()  # every copy reading the arenas is done before unlocking
-        self._pinning.unregister_all()
+        try:
+            for lane in self._lanes.values():
+                lane.stream.synchronize()  # every copy using the arenas is done before unlocking
+        finally:
+            self._lanes = {}  # the staging goes only after its streams are idle
+            if self._streams is not None:
+                streams, self._streams = self._streams, None
+                streams.destroy()
+            self._pinning.unregister_all()
 
     # --- issuing thread ---------------------------------------------------------------------
 
@@ -253,18 +367,22 @@ class CudaEngine(TransferEngine):
     def _issue(self, lane: _Lane, handle: BatchHandle) -> None:
         progress: _Progress = getattr(handle, _STATE)
         stream = lane.stream
+        batch = handle.batch
         try:
-            self._wait_for_dependencies(stream, handle.batch)
-            self._wait_for_producers(stream, handle.batch, lane.direction)
+            self._wait_for_dependencies(stream, batch)
+            self._wait_for_producers(stream, batch, lane.direction)
+            copy = BatchCopy(batch.host_pages, batch.device_pages, self.targets, lane.direction,
+                             lane.staging, self.registrations)
+            copy.upload_index()
+            # Device timing covers the copies only: planning, the index upload and the waits
+            # above are all queued before this event.
             progress.start = lane.timing_events.take()
             progress.start.record(stream)
-            plan = DevicePlan.build(handle.batch.host_pages, handle.batch.device_pages,
-                                    self.device)
-            if plan.num_pages:
+            if copy.num_pages:
                 if lane.direction is Direction.D2H:
-                    self._issue_d2h(handle, plan, lane)
+                    self._issue_d2h(handle, copy)
                 else:
-                    self._issue_h2d(handle, plan, lane)
+                    self._issue_h2d(handle, copy, lane)
         except BaseException as exc:  # noqa: BLE001 - reaches every waiter through finish()
             progress.error = exc
         finally:
@@ -321,25 +439,19 @@ class CudaEngine(TransferEngine):
                 raise TypeError(f"{direction.value} batch {batch.batch_id}: cannot wait for "
                                 f"producer {producer!r}; expected a torch.cuda.Event or Stream")
 
-    def _issue_d2h(self, handle: BatchHandle, plan: DevicePlan, lane: _Lane) -> None:
+    def _issue_d2h(self, handle: BatchHandle, copy: BatchCopy) -> None:
         if self.fault_hook is not None:
             self.fault_hook(handle.batch, 0)
-        for binding in self.bindings.values():
-            copy_pool(binding, plan, Direction.D2H, 0, binding.geometry.num_layers, lane.staging)
+        copy.issue(0, self.num_layers)
         handle.mark_issued(self.num_layers)
 
-    def _issue_h2d(self, handle: BatchHandle, plan: DevicePlan, lane: _Lane) -> None:
-        bindings = list(self.bindings.values())
-        group = h2d_layer_group(bindings)
+    def _issue_h2d(self, handle: BatchHandle, copy: BatchCopy, lane: _Lane) -> None:
+        group = copy.h2d_group
         for first in range(0, self.num_layers, group):
             last = min(first + group, self.num_layers)
             if self.fault_hook is not None:
                 self.fault_hook(handle.batch, first)
-            for binding in bindings:
-                layers = binding.geometry.num_layers
-                if first < layers:
-                    copy_pool(binding, plan, Direction.H2D, first, min(last, layers),
-                              lane.staging)
+            copy.issue(first, last)
             for _ in range(first, last):
                 event = lane.layer_events.take()
                 event.record(lane.stream)  # layer readiness: after every pool's copy of it
@@ -374,12 +486,29 @@ class CudaEngine(TransferEngine):
         self._recycle(lane, handle, progress, completed)
         self._report(handle, due)
 
-    @staticmethod
-    def _recycle(lane: _Lane, handle: BatchHandle, progress: _Progress, completed: bool) -> None:
+    def _recycle(self, lane: _Lane, handle: BatchHandle, progress: _Progress,
+                 completed: bool) -> None:
+        due: list[tuple[LayerProbe, tuple[bool, float]]] = []
         with progress.lock:
             progress.recycled = True
+            probes, progress.probes = progress.probes, []
+            for probe in probes:
+                if probe.cancelled:
+                    continue
+                events = handle.layer_events
+                event = events[probe.layer] if probe.layer < len(events) else progress.end
+                result = verdict(probe.event, event) if completed else ON_TIME
+                if probe.armed:
+                    due.append((probe, result))
+                else:
+                    probe.verdict = result  # its wait_layer call picks it up
+        for probe, result in due:
+            call_classify(probe.classify, *result)
         if not completed:
             return  # state unknown after a device error: let these events go
+        for probe in probes:
+            if probe.event.query():  # recorded again only once complete
+                self._probe_events.give(probe.event)
         for event in handle.layer_events:
             lane.layer_events.give(event)
         for event in (progress.start, progress.end):

@@ -1,354 +1,431 @@
-"""Coalesced page copies between a page-locked host arena and device buffers.
+"""Page copies between a page-locked host arena and device buffers, planned once per batch.
 
 Every function here only *issues* work on the current stream (the engine's copy stream) and
-returns; nothing waits. The same code runs on CPU tensors (then every op simply runs), which is
-how its tiling and indexing are tested without a device.
+returns; nothing waits and nothing allocates device memory (the staging buffer and the index
+buffer come from :class:`DeviceStaging`, allocated when the engine starts). The same code runs
+on CPU tensors (then every op simply runs), which is how its paths, its registration-edge
+splits and its call counts are tested without a device.
 
-Per batch, the page pairs are split into **host segments** (maximal runs of consecutive host
-pages) and, inside each, **device runs** (where the device pages advance too)::
+A batch is planned once (:class:`BatchCopy`): the page pairs are cut into **runs** (host and
+device both advance) and **host segments** (host advances), the page indices are uploaded in
+one call, and each pool gets one of three paths, fixed for the whole batch:
 
-    host   7 8 9 10 11 | 40 41        segments: (host 7, 5 pages), (host 40, 2 pages)
-    device 3 4 5 90 91 | 12 13        device runs: (3, 3) (90, 2) | (12, 2)
+* ``RUNS`` (``layer_first`` host, few or long runs): one ``cudaMemcpyAsync`` per run and layer.
+* ``STAGED`` (host in few segments, device scattered): the device side is gathered into (D2H)
+  or scattered from (H2D) the staging buffer by one index kernel per layer (or per layer group
+  when the device layers are one 3-D allocation), and one memcpy per host segment and layer
+  moves the bytes (a ``page_first`` host moves whole-layer blocks of a page run, after a
+  device-side transpose in a second staging half).
+* ``MAPPED`` (host pages scattered): no memcpy at all; the kernels reach the arena directly
+  through unified addressing (a CUDA tensor over the mapped host memory, see ``mapped``).
+  D2H: a gather of the device pages into staging, then one ``index_copy_`` into the host view
+  per layer group; H2D: one ``index_select`` from the host view into staging, then one
+  ``index_copy_`` into the device pages, per layer. With the device side one run, the
+  staging step is skipped (one kernel).
 
-Per pool and layer group, one of two paths:
+Worked count for the DSA indexer (``layer_first``, 8,448 B rows) and one batch of 272 pages:
+host extents with device runs of 16 pages take ``STAGED``: per layer one gather and one memcpy,
+plus one index upload for the batch: (2 x 61 + 1) / 61 = 2.02 calls per layer. Single pages at
+random take ``MAPPED``: about 2 kernels per layer.
 
-* **direct** (``layer_first`` host, and every segment is one device run or long device runs):
-  one ``cudaMemcpyAsync`` per layer per device run, host row block and device row block both
-  contiguous; one call for a group of layers when both sides happen to be contiguous across it
-  (fused 3-D device buffer and a host region spanning whole layers).
-* **staged** (otherwise): the device side goes through a reused device staging buffer laid out
-  ``[layers, pages, row]``, tile by tile over the batch's pairs. D2H: gather the tile's device
-  pages into it (``index_select``: one kernel per layer, or one kernel across the tile's
-  layers when the device layers are one 3-D allocation), then one host copy per host run in
-  the tile and layer. H2D is the mirror image (host copies into staging, then ``index_copy_``
-  into the device pages). A ``page_first`` host holds a page's layers next to each other, so
-  its host blocks are ``[pages, layers, row]``: a second staging buffer takes the device-side
-  transpose, and the host copy is one call per page, or one per host run when the whole layer
-  range moves (as in D2H).
+**Registration edges.** The arena is page-locked in chunks, and one memcpy must not span two
+registrations (see ``registrations``): every memcpy here goes through :func:`_memcpy`, which
+cuts the host range at the engine's registration edges. Kernels on the mapped view need no cut.
 
-Host pages scattered one by one (no long host runs) still move host run by host run: each
-costs one copy call per layer (``layer_first``) or per page (``page_first``), so single-page
-runs of a ``layer_first`` host reach only a fraction of the link (a ~8 KiB call costs about as
-much host time as it takes on PCIe). Keep host extents contiguous (the host pool allocates
-runs) for full speed; ``page_first`` moves a scattered page in one call of all its layers.
-
-Within one stream a copy and a kernel do not overlap, so each staged tile pays its gather or
-scatter kernel (microseconds) between copies; tiles are large (up to the staging capacity) to
-keep that small.
-
-Staging is tiled so one tile never exceeds the staging capacity; tiles reuse the same buffer
-back to back on one stream, so the copy that reads a tile finishes before the next tile's
-gather overwrites it (stream order). Index ops run on wide-integer views of the page rows.
+Staging reuse is safe because every op that writes or reads it is issued on one stream, in
+order: a later tile's gather cannot start before the earlier tile's copy has read the buffer.
+Index ops run on wide-integer views of the page rows (``wide_view``).
 """
 
 from __future__ import annotations
 
-import bisect
+import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from ..geometry import HostLayout
 from ..kinds import Direction
-from ..pages import page_runs
+from ..pages import is_run, page_runs
 from .buffers import PoolBinding, wide_view
 from .copyplan import MIN_BYTES_PER_CALL
+from .registrations import RegistrationMap
 
-#: Bytes per staging buffer (one or two per direction, allocated on first need).
+#: Bytes of device staging per direction (``ServiceConfig.device_staging_bytes``).
 DEFAULT_STAGING_BYTES = 64 << 20
+#: Memcpy calls per layer a memcpy path may take before a kernel path is preferred.
+MAX_MEMCPY_CALLS_PER_LAYER = 3
+
+
+class CopyPath(enum.Enum):
+    """How one pool's pages move for one batch."""
+
+    RUNS = "runs"  #: one memcpy per run and layer
+    STAGED = "staged"  #: device-side index kernel + one memcpy per host segment and layer
+    MAPPED = "mapped"  #: index kernels on the mapped host view, no memcpy
 
 
 @dataclass(frozen=True)
-class Segment:
-    """A host run of ``num_pages`` pages from ``host_start``; pairs ``[pos, pos + num_pages)``.
+class PoolTarget:
+    """One pool as the CUDA copy code reaches it.
 
-    ``device_runs``: ``(pos, device_start, num_pages)`` rows covering the segment in order.
+    ``host_flat``: the arena's whole storage as ``uint8 [bytes]`` on the CPU (memcpy side);
+    ``mapped``: ``uint8 [L, host_pages, B]`` on the copy device over the same bytes (strides
+    as ``binding.host``), or ``None`` when the arena is not mapped for the device.
     """
 
-    pos: int
-    host_start: int
-    num_pages: int
-    device_runs: tuple[tuple[int, int, int], ...]
-
-    @property
-    def device_start(self) -> int | None:
-        """First device page when the device side is one run, else ``None``."""
-        return self.device_runs[0][1] if len(self.device_runs) == 1 else None
-
-
-class DevicePlan:
-    """One batch's segments; its device page index goes to the device on first use.
-
-    Build it on the copy stream: the index upload is then ordered before the kernels that
-    read it.
-    """
-
-    def __init__(self, host_pages: np.ndarray, device_pages: np.ndarray,
-                 device: torch.device) -> None:
-        self.num_pages = int(host_pages.size)
-        self.device = device
-        self._device_pages = device_pages
-        self._index: torch.Tensor | None = None
-        runs = page_runs(host_pages, device_pages)  # (host_start, device_start, length)
-        #: the first device page when every device page follows the previous one, else None
-        self.device_start: int | None = int(runs[0, 1]) if len(runs) == 1 else None
-        segments: list[Segment] = []
-        pos = 0
-        current: list[tuple[int, int, int]] = []
-        seg_host = seg_pos = 0
-        for h, d, k in runs.tolist():
-            if current and h != seg_host + (pos - seg_pos):
-                segments.append(Segment(seg_pos, seg_host, pos - seg_pos, tuple(current)))
-                current = []
-            if not current:
-                seg_host, seg_pos = h, pos
-            current.append((pos, d, k))
-            pos += k
-        if current:
-            segments.append(Segment(seg_pos, seg_host, pos - seg_pos, tuple(current)))
-        self.segments = tuple(segments)
-        self._starts = [seg.pos for seg in segments]
+    binding: PoolBinding
+    host_flat: torch.Tensor
+    mapped: torch.Tensor | None
 
     @classmethod
-    def build(cls, host_pages: np.ndarray, device_pages: np.ndarray,
-              device: torch.device) -> DevicePlan:
-        return cls(host_pages, device_pages, device)
-
-    @property
-    def device_index(self) -> torch.Tensor:
-        """``int64 [n]`` device pages on the copy device (uploaded once, on first use)."""
-        if self._index is None:
-            self._index = upload_index(self._device_pages, self.device)
-        return self._index
-
-    def host_pieces(self, p0: int, p1: int):
-        """``(offset, host_start, num_pages)`` host runs of pairs ``[p0, p1)``, in order;
-        ``offset`` counts from ``p0``."""
-        i = max(0, bisect.bisect_right(self._starts, p0) - 1)
-        segments = self.segments
-        while i < len(segments) and segments[i].pos < p1:
-            seg = segments[i]
-            lo, hi = max(p0, seg.pos), min(p1, seg.pos + seg.num_pages)
-            if lo < hi:
-                yield lo - p0, seg.host_start + lo - seg.pos, hi - lo
-            i += 1
-
-
-def upload_index(pages: np.ndarray, device: torch.device) -> torch.Tensor:
-    """``int64 [n]`` on ``device``: through torch's page-locked staging pool on CUDA.
-
-    The pinned block is recycled by torch only after the copy that reads it completes (the
-    caching host allocator records an event on the current stream), so this never blocks.
-    """
-    cpu = torch.from_numpy(np.ascontiguousarray(pages, dtype=np.int64))
-    if device.type != "cuda":
-        return cpu.to(device)
-    return cpu.pin_memory().to(device, non_blocking=True)
+    def of(cls, binding: PoolBinding, mapped: torch.Tensor | None = None) -> PoolTarget:
+        flat = torch.empty(0, dtype=torch.uint8).set_(binding.host.untyped_storage())
+        return cls(binding, flat, mapped)
 
 
 class DeviceStaging:
-    """Reused device buffers for one copy stream (never shared between streams).
+    """One direction's device buffers, allocated once: ``buffer`` (page rows) and ``index``.
 
-    Reuse is safe because every op that writes or reads a buffer is issued on that one stream,
-    in order: a later tile's gather cannot start before the earlier tile's host copy has read
-    the buffer. Buffers grow on demand up to ``capacity_bytes``; they are allocated on the copy
-    stream (the caller's current stream), so the caching allocator only ever hands their
-    memory to later work on the same stream.
+    ``index`` holds ``2 x index_pages`` ``int64`` (a batch's host and device pages); a batch
+    never holds more pages than the smaller side has, so sizing it by that is exact.
+    Allocating raises ``torch.OutOfMemoryError`` here, never while serving.
     """
 
-    def __init__(self, device: torch.device, capacity_bytes: int = DEFAULT_STAGING_BYTES) -> None:
+    def __init__(self, device: torch.device, capacity_bytes: int, index_pages: int) -> None:
         self.device = device
         self.capacity_bytes = capacity_bytes
-        self._buffers = [torch.empty(0, dtype=torch.uint8, device=device) for _ in range(2)]
+        self.index_pages = index_pages
+        self.buffer = torch.empty(capacity_bytes, dtype=torch.uint8, device=device)
+        self.index = torch.empty(2 * index_pages, dtype=torch.int64, device=device)
 
-    def rows(self, which: int, shape: tuple[int, int, int]) -> torch.Tensor:
-        """A contiguous ``uint8`` tensor of ``shape`` in buffer ``which`` (0 or 1)."""
-        nbytes = shape[0] * shape[1] * shape[2]
-        assert nbytes <= self.capacity_bytes or shape[0] * shape[1] == 1, "tile too large"
-        buffer = self._buffers[which]
-        if buffer.numel() < nbytes:
-            buffer = self._buffers[which] = torch.empty(
-                max(nbytes, min(self.capacity_bytes, 2 * buffer.numel())), dtype=torch.uint8,
-                device=self.device)
-        return buffer[:nbytes].view(shape)
+    @property
+    def nbytes(self) -> int:
+        return self.capacity_bytes + 16 * self.index_pages
+
+    def rows(self, shape: tuple[int, ...], offset_bytes: int = 0) -> torch.Tensor:
+        """A contiguous ``uint8`` view of ``shape`` at ``offset_bytes`` of the buffer."""
+        nbytes = int(np.prod(shape))
+        assert offset_bytes + nbytes <= self.capacity_bytes, "staging tile too large"
+        return self.buffer[offset_bytes:offset_bytes + nbytes].view(shape)
 
 
-def h2d_layer_group(bindings: list[PoolBinding]) -> int:
-    """Layers loaded between two readiness events.
+@dataclass(frozen=True)
+class _Pieces:
+    """Host runs of one page tile ``[p0, p1)``: ``(offset from p0, host_start, pages)`` rows."""
 
-    ``layer_first`` hosts load one layer at a time (per-layer readiness at full granularity).
-    A ``page_first`` host moves one call per page per group, so its group is widened until
-    each call carries at least ``MIN_BYTES_PER_CALL``.
+    p0: int
+    p1: int
+    rows: tuple[tuple[int, int, int], ...]
+
+
+class BatchCopy:
+    """One batch's plan for every pool, and the issue of its layers (current stream).
+
+    Build it on the copy stream's thread; :meth:`upload_index` then :meth:`issue` per layer
+    group. ``host_pages``/``device_pages``: ``int64 [n]`` pairs.
     """
-    group = None
-    for b in bindings:
-        if b.geometry.host_layout is HostLayout.PAGE_FIRST:
-            g = -(-MIN_BYTES_PER_CALL // b.geometry.bytes_per_page_per_layer)
-            g = max(1, min(b.geometry.num_layers, g))
-        else:
-            g = 1
-        group = g if group is None else min(group, g)
-    return group or 1
 
+    def __init__(self, host_pages: np.ndarray, device_pages: np.ndarray,
+                 pools: Sequence[PoolTarget], direction: Direction, staging: DeviceStaging,
+                 registrations: RegistrationMap) -> None:
+        n = self.num_pages = int(host_pages.size)
+        self.direction = direction
+        self.staging = staging
+        self.registrations = registrations
+        self.host_pages, self.device_pages = host_pages, device_pages
+        one_run = n > 0 and is_run(host_pages) and is_run(device_pages)
+        self.runs = (np.array([[host_pages.item(0), device_pages.item(0), n]], dtype=np.int64)
+                     if one_run else page_runs(host_pages, device_pages))
+        self.device_start = (int(device_pages.item(0)) if n and (one_run or is_run(device_pages))
+                             else None)
+        breaks = (np.flatnonzero(np.diff(host_pages) != 1) + 1) if n > 1 and not one_run else (
+            np.zeros(0, dtype=np.int64))
+        self.segment_pos = np.concatenate(([0], breaks)).astype(np.int64) if n else breaks
+        self.segment_host = host_pages[self.segment_pos] if n else breaks
+        self.segment_pages = np.diff(np.append(self.segment_pos, n)) if n else breaks
+        self.plans = [_PoolPlan(pool, self) for pool in pools]
+        self.needs_index = any(p.needs_index for p in self.plans)
+        self._host_index: torch.Tensor | None = None
+        self._device_index: torch.Tensor | None = None
 
-def copy_pool(binding: PoolBinding, plan: DevicePlan, direction: Direction, first: int,
-              last: int, staging: DeviceStaging) -> None:
-    """Issue the copies of layers ``[first, last)`` of one pool for ``plan`` (current stream)."""
-    if not plan.num_pages:
-        return
-    to_host = direction is Direction.D2H
-    row = binding.geometry.bytes_per_page_per_layer
-    layer_first = binding.geometry.host_layout is HostLayout.LAYER_FIRST
-    if layer_first and all(_direct_pays(seg, row) for seg in plan.segments):
-        for seg in plan.segments:
-            for pos, d, k in seg.device_runs:
-                _copy_direct(binding, first, last, seg.host_start + pos - seg.pos, d, k, to_host)
-        return
-    _copy_staged(binding, plan, first, last, to_host, staging, layer_first)
+    @property
+    def h2d_group(self) -> int:
+        """Layers loaded between two readiness events (the finest any pool allows)."""
+        return min((p.h2d_group for p in self.plans), default=1)
 
+    def upload_index(self) -> None:
+        """Send both page lists to the device in one call (if any path needs them).
 
-def _direct_pays(seg: Segment, row: int) -> bool:
-    """One device run, or runs long enough that a call each beats a gather plus one call."""
-    return len(seg.device_runs) == 1 or min(k for _, _, k in seg.device_runs) * row >= (
-        MIN_BYTES_PER_CALL)
-
-
-def _transfer(host: torch.Tensor, dev: torch.Tensor, to_host: bool) -> None:
-    # non_blocking is safe: the host side is the page-locked arena (cudaHostRegister'ed), so
-    # this is a true async DMA ordered on the copy stream, and the engine keeps the host
-    # pages in flight until the batch's end event completes. Both sides are contiguous here,
-    # so torch issues exactly one cudaMemcpyAsync.
-    if to_host:
-        host.copy_(dev, non_blocking=True)
-    else:
-        dev.copy_(host, non_blocking=True)
-
-
-def _copy_direct(binding: PoolBinding, first: int, last: int, h: int, d: int, k: int,
-                 to_host: bool) -> None:
-    host = binding.host  # [L, host_pages, row], contiguous per layer (layer_first)
-    fused = binding.device_fused
-    if fused is not None and last - first > 1:
-        host_region, dev_region = host[first:last, h:h + k], fused[first:last, d:d + k]
-        if host_region.is_contiguous() and dev_region.is_contiguous():
-            _transfer(host_region, dev_region, to_host)  # the strides allow one call
+        The host side comes from torch's page-locked staging pool: torch recycles that block
+        only after this copy completed (it records an event on the current stream), so the
+        call never blocks and never races a later batch.
+        """
+        if not self.needs_index or self._host_index is not None:
             return
-    for layer in range(first, last):
-        _transfer(host[layer, h:h + k], binding.device_layers[layer][d:d + k], to_host)
+        n = self.num_pages
+        assert n <= self.staging.index_pages, "index buffer sized below the batch"
+        both = torch.from_numpy(np.concatenate((self.host_pages, self.device_pages)))
+        if self.staging.device.type == "cuda":
+            both = both.pin_memory()
+        target = self.staging.index[:2 * n]
+        target.copy_(both, non_blocking=True)
+        self._host_index, self._device_index = target[:n], target[n:]
+
+    def index(self, p0: int, p1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(host, device)`` page indices of pairs ``[p0, p1)`` on the copy device."""
+        assert self._host_index is not None, "upload_index() first"
+        return self._host_index[p0:p1], self._device_index[p0:p1]
+
+    def host_pieces(self, p0: int, p1: int) -> _Pieces:
+        """Host runs of pairs ``[p0, p1)`` (computed once per tile, not per layer)."""
+        pos, host, pages = self.segment_pos, self.segment_host, self.segment_pages
+        i = max(0, int(np.searchsorted(pos, p0, side="right")) - 1)
+        j = int(np.searchsorted(pos, p1, side="left"))
+        rows = []
+        for s, h, c in zip(pos[i:j].tolist(), host[i:j].tolist(), pages[i:j].tolist()):
+            lo, hi = max(p0, s), min(p1, s + c)
+            if lo < hi:
+                rows.append((lo - p0, h + lo - s, hi - lo))
+        return _Pieces(p0, p1, tuple(rows))
+
+    def issue(self, first: int, last: int) -> None:
+        """Issue layers ``[first, last)`` of every pool (pools with fewer layers: theirs)."""
+        if not self.num_pages:
+            return
+        for plan in self.plans:
+            layers = plan.num_layers
+            if first < layers:
+                plan.issue(first, min(last, layers))
 
 
-def _tiles(first: int, last: int, num_pages: int, row: int, capacity: int,
-           layer_first: bool):
-    """``(l0, l1, p0, p1)`` tiles of at most ``capacity`` bytes (one page-layer minimum).
+class _PoolPlan:
+    """One pool's path and tiles for one batch."""
 
-    ``layer_first`` tiles keep whole page ranges per layer (longer host calls); ``page_first``
-    tiles keep whole layer ranges per page (the host's contiguous direction).
-    """
-    layers = last - first
-    if layer_first:
-        pages = max(1, min(num_pages, capacity // row))
-        group = max(1, min(layers, capacity // (pages * row)))
-    else:
-        group = max(1, min(layers, capacity // row))
-        pages = max(1, min(num_pages, capacity // (group * row)))
-    for l0 in range(first, last, group):
-        for p0 in range(0, num_pages, pages):
-            yield l0, min(l0 + group, last), p0, min(p0 + pages, num_pages)
+    def __init__(self, pool: PoolTarget, batch: BatchCopy) -> None:
+        self.pool = pool
+        self.batch = batch
+        b = pool.binding
+        self.num_layers = b.geometry.num_layers
+        row = self.row = b.geometry.bytes_per_page_per_layer
+        host = b.host
+        self.layer_first = host.stride(1) == row
+        self.path = self._choose(batch, row)
+        self.needs_index = self.path is CopyPath.MAPPED or (
+            self.path is CopyPath.STAGED and batch.device_start is None)
+        n = batch.num_pages
+        capacity = batch.staging.capacity_bytes
+        self.two_halves = self.path is CopyPath.STAGED and not self.layer_first
+        if self.two_halves:
+            capacity //= 2  # by layer, then by page (the host's contiguous direction)
+            layers_per_tile = max(1, min(self.num_layers, capacity // row))
+            self.page_step = max(1, min(n, capacity // (layers_per_tile * row)))
+            self.h2d_group = max(1, min(self.num_layers, -(-MIN_BYTES_PER_CALL // row)))
+        else:
+            self.page_step = max(1, min(n, capacity // row))
+            self.h2d_group = 1
+        self.tile_capacity = capacity
+        self.tiles = [batch.host_pieces(p0, min(p0 + self.page_step, n))
+                      for p0 in range(0, n, self.page_step)] if self.path is not CopyPath.RUNS else []
 
+    def _choose(self, batch: BatchCopy, row: int) -> CopyPath:
+        mapped = self.pool.mapped is not None
+        segments = len(batch.segment_pos)
+        long_segments = batch.num_pages * row >= MIN_BYTES_PER_CALL * max(1, segments)
+        if self.layer_first:
+            runs = len(batch.runs)
+            if runs <= MAX_MEMCPY_CALLS_PER_LAYER or (
+                    batch.num_pages * row >= MIN_BYTES_PER_CALL * runs):
+                return CopyPath.RUNS
+            if segments <= MAX_MEMCPY_CALLS_PER_LAYER - 1 or long_segments or not mapped:
+                return CopyPath.STAGED
+            return CopyPath.MAPPED
+        if not mapped:
+            return CopyPath.STAGED
+        if batch.direction is Direction.D2H and (
+                segments <= MAX_MEMCPY_CALLS_PER_LAYER - 2 or long_segments):
+            return CopyPath.STAGED  # whole-layer blocks of page runs: few long memcpys
+        return CopyPath.MAPPED
 
-def _copy_staged(binding: PoolBinding, plan: DevicePlan, first: int, last: int,
-                 to_host: bool, staging: DeviceStaging, layer_first: bool) -> None:
-    """Every pair of the batch through staging, tile by tile: one gather/scatter per tile
-    (per layer, or across the tile's layers for a fused device buffer), and one host copy per
-    host run in the tile (per layer for ``layer_first``, per page or per run for
-    ``page_first``)."""
-    row = binding.geometry.bytes_per_page_per_layer
-    d0 = plan.device_start
-    for l0, l1, p0, p1 in _tiles(first, last, plan.num_pages, row, staging.capacity_bytes,
-                                 layer_first):
-        groups, pages = l1 - l0, p1 - p0
-        by_layer = staging.rows(0, (groups, pages, row))  # [layers, pages, row]
-        dev_sel = d0 + p0 if d0 is not None else plan.device_index[p0:p1]
-        pieces = list(plan.host_pieces(p0, p1))
+    def layer_step(self, pages: int) -> int:
+        return max(1, self.tile_capacity // (pages * self.row))
+
+    def issue(self, first: int, last: int) -> None:
+        to_host = self.batch.direction is Direction.D2H
+        if self.path is CopyPath.RUNS:
+            self._issue_runs(first, last, to_host)
+            return
+        for tile in self.tiles:
+            pages = tile.p1 - tile.p0
+            step = self.layer_step(pages)
+            for l0 in range(first, last, step):
+                l1 = min(l0 + step, last)
+                if self.path is CopyPath.MAPPED:
+                    self._issue_mapped(tile, l0, l1, to_host)
+                elif self.layer_first:
+                    self._issue_staged_layer_first(tile, l0, l1, to_host)
+                else:
+                    self._issue_staged_page_first(tile, l0, l1, to_host)
+
+    # --- RUNS -------------------------------------------------------------------------------
+
+    def _issue_runs(self, first: int, last: int, to_host: bool) -> None:
+        b, row = self.pool.binding, self.row
+        host = b.host
+        s0, s1, base = host.stride(0), host.stride(1), host.storage_offset()
+        runs = self.batch.runs.tolist()
+        for layer in range(first, last):
+            dev = b.device_layers[layer].view(-1)
+            for h, d, k in runs:
+                _memcpy(self, base + layer * s0 + h * s1, dev, d * row, k * row, to_host)
+
+    # --- STAGED -----------------------------------------------------------------------------
+
+    def _issue_staged_layer_first(self, tile: _Pieces, l0: int, l1: int, to_host: bool) -> None:
+        b, row = self.pool.binding, self.row
+        pages, layers = tile.p1 - tile.p0, l1 - l0
+        stage = self.batch.staging.rows((layers, pages, row))
+        flat = stage.view(-1)
+        host = b.host
+        s0, s1, base = host.stride(0), host.stride(1), host.storage_offset()
         if to_host:
-            _gather(binding, l0, l1, dev_sel, pages, by_layer)
-            if layer_first:
-                for o, h, c in pieces:
-                    _host_layer_first(binding, l0, l1, h, c, by_layer[:, o:o + c], True)
+            _gather_device(self, tile, l0, l1, stage)
+        for j in range(layers):
+            for o, h, c in tile.rows:
+                _memcpy(self, base + (l0 + j) * s0 + h * s1, flat, (j * pages + o) * row,
+                        c * row, to_host)
+        if not to_host:
+            _scatter_device(self, tile, l0, l1, stage)
+
+    def _issue_staged_page_first(self, tile: _Pieces, l0: int, l1: int, to_host: bool) -> None:
+        b, row = self.pool.binding, self.row
+        pages, layers = tile.p1 - tile.p0, l1 - l0
+        half = self.tile_capacity
+        by_layer = self.batch.staging.rows((layers, pages, row))
+        by_page = self.batch.staging.rows((pages, layers, row), half)
+        flat = by_page.view(-1)
+        host = b.host  # [L, H, B] view of the [H, L, B] arena
+        s0, s1, base = host.stride(0), host.stride(1), host.storage_offset()
+        whole_pages = layers == self.num_layers  # then a page run is one contiguous block
+        if to_host:
+            _gather_device(self, tile, l0, l1, by_layer)
+            by_page.copy_(by_layer.transpose(0, 1))  # device-side transpose: one kernel
+        for o, h, c in tile.rows:
+            if whole_pages:
+                _memcpy(self, base + h * s1, flat, o * layers * row, c * layers * row, to_host)
+                continue
+            for i in range(c):
+                _memcpy(self, base + l0 * s0 + (h + i) * s1, flat, (o + i) * layers * row,
+                        layers * row, to_host)
+        if not to_host:
+            by_layer.copy_(by_page.transpose(0, 1))
+            _scatter_device(self, tile, l0, l1, by_layer)
+
+    # --- MAPPED -----------------------------------------------------------------------------
+
+    def _issue_mapped(self, tile: _Pieces, l0: int, l1: int, to_host: bool) -> None:
+        b, row = self.pool.binding, self.row
+        pages, layers = tile.p1 - tile.p0, l1 - l0
+        host_index, _ = self.batch.index(tile.p0, tile.p1)
+        mapped = self.pool.mapped[l0:l1]  # [layers, H, B] over the page-locked arena
+        d0 = self.batch.device_start
+        fused = b.device_fused
+        if to_host:
+            if d0 is not None and fused is not None:
+                src = fused[l0:l1, d0 + tile.p0:d0 + tile.p1]
+            elif d0 is not None and layers == 1:
+                src = b.device_layers[l0][d0 + tile.p0:d0 + tile.p1].unsqueeze(0)
             else:
-                by_page = staging.rows(1, (pages, groups, row))
-                by_page.copy_(by_layer.transpose(0, 1))  # device-side transpose, cheap
-                for o, h, c in pieces:
-                    _host_page_first(binding, l0, l1, h, c, by_page[o:o + c], True)
+                src = self.batch.staging.rows((layers, pages, row))
+                _gather_device(self, tile, l0, l1, src)
+            dst_w, src_w = _same_width(mapped, src)
+            dst_w.index_copy_(1, host_index, src_w)  # one kernel: writes the host pages
+            return
+        if d0 is not None and layers == 1:
+            out = b.device_layers[l0][d0 + tile.p0:d0 + tile.p1]
+            src_w, out_w = _same_width(mapped[0], out)
+            torch.index_select(src_w, 0, host_index, out=out_w)  # one kernel, no staging
+            return
+        stage = self.batch.staging.rows((layers, pages, row))
+        src_w, stage_w = _same_width(mapped, stage)
+        torch.index_select(src_w, 1, host_index, out=stage_w)  # reads the host pages
+        _scatter_device(self, tile, l0, l1, stage)
+
+
+# --- the calls themselves ---------------------------------------------------------------------
+
+
+def _memcpy(plan: _PoolPlan, host_offset: int, dev_flat: torch.Tensor, dev_offset: int,
+            nbytes: int, to_host: bool) -> None:
+    """Copy ``nbytes`` between the arena at ``host_offset`` and ``dev_flat`` at ``dev_offset``,
+    one ``cudaMemcpyAsync`` per registration the host range touches.
+
+    ``non_blocking`` is safe: the host side lies in the page-locked arena, so each call is an
+    asynchronous DMA ordered on the copy stream, and the engine keeps the host pages in flight
+    until the batch's end event completes. Both sides are contiguous 1-D bytes, so torch
+    issues exactly one memcpy per piece.
+    """
+    host_flat = plan.pool.host_flat
+    start = host_flat.data_ptr() + host_offset
+    for offset, length in plan.batch.registrations.split(start, nbytes):
+        host = host_flat[host_offset + offset:host_offset + offset + length]
+        dev = dev_flat[dev_offset + offset:dev_offset + offset + length]
+        if to_host:
+            host.copy_(dev, non_blocking=True)
         else:
-            if layer_first:
-                for o, h, c in pieces:
-                    _host_layer_first(binding, l0, l1, h, c, by_layer[:, o:o + c], False)
-            else:
-                by_page = staging.rows(1, (pages, groups, row))
-                for o, h, c in pieces:
-                    _host_page_first(binding, l0, l1, h, c, by_page[o:o + c], False)
-                by_layer.copy_(by_page.transpose(0, 1))
-            _scatter(binding, l0, l1, dev_sel, pages, by_layer)
+            dev.copy_(host, non_blocking=True)
 
 
-def _host_layer_first(binding: PoolBinding, l0: int, l1: int, h0: int, pages: int,
-                      by_layer: torch.Tensor, to_host: bool) -> None:
-    region = binding.host[l0:l1, h0:h0 + pages]
-    if region.is_contiguous() and by_layer.is_contiguous():
-        _transfer(region, by_layer, to_host)
-        return
-    for j, layer in enumerate(range(l0, l1)):
-        _transfer(binding.host[layer, h0:h0 + pages], by_layer[j], to_host)
+def _same_width(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Wide views of both sides when they agree on the element type, else the bytes."""
+    wide_a, wide_b = wide_view(a), wide_view(b)
+    return (wide_a, wide_b) if wide_a.dtype == wide_b.dtype else (a, b)
 
 
-def _host_page_first(binding: PoolBinding, l0: int, l1: int, h0: int, pages: int,
-                     by_page: torch.Tensor, to_host: bool) -> None:
-    arena = binding.host.transpose(0, 1)  # the arena itself: [host_pages, L, row]
-    region = arena[h0:h0 + pages, l0:l1]
-    if region.is_contiguous() and by_page.is_contiguous():
-        _transfer(region, by_page, to_host)
-        return
-    for j in range(pages):
-        _transfer(arena[h0 + j, l0:l1], by_page[j], to_host)
-
-
-def _gather(binding: PoolBinding, l0: int, l1: int, dev_sel: torch.Tensor | int, pages: int,
-            by_layer: torch.Tensor) -> None:
-    """Device pages of layers ``[l0, l1)`` into ``by_layer`` ``[layers, pages, row]``."""
-    fused = binding.device_fused
-    if isinstance(dev_sel, int):
+def _gather_device(plan: _PoolPlan, tile: _Pieces, l0: int, l1: int,
+                   out: torch.Tensor) -> None:
+    """Device pages of pairs ``[p0, p1)``, layers ``[l0, l1)``, into ``out [layers, pages, B]``."""
+    b = plan.pool.binding
+    d0 = plan.batch.device_start
+    fused = b.device_fused
+    if d0 is not None:
+        lo, hi = d0 + tile.p0, d0 + tile.p1
         if fused is not None:
-            by_layer.copy_(fused[l0:l1, dev_sel:dev_sel + pages])
+            out.copy_(fused[l0:l1, lo:hi])
         else:
             for j, layer in enumerate(range(l0, l1)):
-                by_layer[j].copy_(binding.device_layers[layer][dev_sel:dev_sel + pages])
+                out[j].copy_(b.device_layers[layer][lo:hi])
         return
+    _, dev_index = plan.batch.index(tile.p0, tile.p1)
     if fused is not None:
-        src = wide_view(fused[l0:l1])
-        torch.index_select(src, 1, dev_sel, out=by_layer.view(src.dtype))  # one kernel, all layers
+        src, dst = _same_width(fused[l0:l1], out)
+        torch.index_select(src, 1, dev_index, out=dst)  # one kernel for the layer group
         return
     for j, layer in enumerate(range(l0, l1)):
-        src = wide_view(binding.device_layers[layer])
-        torch.index_select(src, 0, dev_sel, out=by_layer[j].view(src.dtype))
+        src, dst = _same_width(b.device_layers[layer], out[j])
+        torch.index_select(src, 0, dev_index, out=dst)
 
 
-def _scatter(binding: PoolBinding, l0: int, l1: int, dev_sel: torch.Tensor | int, pages: int,
-             by_layer: torch.Tensor) -> None:
-    """``by_layer`` ``[layers, pages, row]`` into the device pages of layers ``[l0, l1)``."""
-    fused = binding.device_fused
-    if isinstance(dev_sel, int):
+def _scatter_device(plan: _PoolPlan, tile: _Pieces, l0: int, l1: int,
+                    src: torch.Tensor) -> None:
+    """``src [layers, pages, B]`` into the device pages of pairs ``[p0, p1)``, layers ``[l0, l1)``."""
+    b = plan.pool.binding
+    d0 = plan.batch.device_start
+    fused = b.device_fused
+    if d0 is not None:
+        lo, hi = d0 + tile.p0, d0 + tile.p1
         if fused is not None:
-            fused[l0:l1, dev_sel:dev_sel + pages].copy_(by_layer)
+            fused[l0:l1, lo:hi].copy_(src)
         else:
             for j, layer in enumerate(range(l0, l1)):
-                binding.device_layers[layer][dev_sel:dev_sel + pages].copy_(by_layer[j])
+                b.device_layers[layer][lo:hi].copy_(src[j])
         return
+    _, dev_index = plan.batch.index(tile.p0, tile.p1)
     if fused is not None:
-        dst = wide_view(fused[l0:l1])
-        dst.index_copy_(1, dev_sel, by_layer.view(dst.dtype))  # one kernel, all layers
+        dst, s = _same_width(fused[l0:l1], src)
+        dst.index_copy_(1, dev_index, s)  # one kernel for the layer group
         return
     for j, layer in enumerate(range(l0, l1)):
-        dst = wide_view(binding.device_layers[layer])
-        dst.index_copy_(0, dev_sel, by_layer[j].view(dst.dtype))
+        dst, s = _same_width(b.device_layers[layer], src[j])
+        dst.index_copy_(0, dev_index, s)
