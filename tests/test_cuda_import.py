@@ -22,7 +22,13 @@ from dsa_async.kinds import Backend, Direction
 from dsa_async.service import OffloadService
 from dsa_async.transfer.base import resolve_backend
 from dsa_async.transfer.buffers import bind_pool
-from dsa_async.transfer.cuda_copy import BatchCopy, CopyPath, DeviceStaging, PoolTarget
+from dsa_async.transfer.cuda_copy import (
+    BatchCopy,
+    CopyPath,
+    DeviceStaging,
+    PoolTarget,
+    issue_batch,
+)
 from dsa_async.transfer.handoff import LoopHandoff
 from dsa_async.transfer.pinning import chunk_ranges, memlock_limit_text
 from dsa_async.transfer.registrations import RegistrationMap
@@ -143,10 +149,7 @@ def _run(bindings, host, dev, direction, capacity, mapped=True):
     copy = BatchCopy(host.astype(np.int64), dev.astype(np.int64), targets, direction, staging,
                      RegistrationMap([]))
     copy.upload_index()
-    layers = max(b.geometry.num_layers for b in bindings.values())
-    group = layers if direction is Direction.D2H else copy.h2d_group
-    for first in range(0, layers, group):
-        copy.issue(first, min(first + group, layers))
+    issue_batch(copy, max(b.geometry.num_layers for b in bindings.values()))
     return copy
 
 

@@ -21,7 +21,7 @@ from dsa_async.geometry import HostLayout, dsa_indexer, mla_kv
 from dsa_async.host_pool import HostPool
 from dsa_async.kinds import Direction
 from dsa_async.transfer.buffers import bind_pool
-from dsa_async.transfer.cuda_copy import BatchCopy, DeviceStaging, PoolTarget
+from dsa_async.transfer.cuda_copy import BatchCopy, DeviceStaging, PoolTarget, issue_batch
 from dsa_async.transfer.pinning import chunk_ranges
 from dsa_async.transfer.registrations import RegistrationMap
 
@@ -98,9 +98,7 @@ def _issue(bindings, host, dev, direction, registrations, mapped, capacity_bytes
     copy = BatchCopy(host.astype(np.int64), dev.astype(np.int64), targets, direction, staging,
                      registrations)
     copy.upload_index()
-    group = LAYERS if direction is Direction.D2H else copy.h2d_group
-    for first in range(0, LAYERS, group):
-        copy.issue(first, min(first + group, LAYERS))
+    issue_batch(copy, LAYERS)
 
 
 @pytest.mark.parametrize("layout", list(HostLayout))

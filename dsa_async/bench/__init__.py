@@ -4,7 +4,12 @@ Importing this package registers the built-in scenarios. To add figures, write a
 calls :func:`register_target` and :func:`register_scenario` and import it below.
 """
 
-from . import copy_scenarios, pool_scenarios, service_scenarios  # noqa: F401 - registers them
+from . import (  # noqa: F401 - registers them
+    copy_scenarios,
+    cuda_launch_scenarios,
+    pool_scenarios,
+    service_scenarios,
+)
 from .registry import (
     SCENARIOS,
     TARGETS,

@@ -59,7 +59,13 @@ from .base import FaultHook, TransferEngine
 from .batch import BatchHandle, CopyBatch
 from .buffers import PoolBinding
 from .copy_streams import CopyStreams
-from .cuda_copy import DEFAULT_STAGING_BYTES, BatchCopy, DeviceStaging, PoolTarget
+from .cuda_copy import (
+    DEFAULT_STAGING_BYTES,
+    BatchCopy,
+    DeviceStaging,
+    PoolTarget,
+    issue_batch,
+)
 from .handoff import LoopHandoff
 from .layer_probes import ON_TIME, Classify, LayerProbe, call_classify, verdict
 from .mapped import mapped_view
@@ -440,23 +446,24 @@ class CudaEngine(TransferEngine):
                                 f"producer {producer!r}; expected a torch.cuda.Event or Stream")
 
     def _issue_d2h(self, handle: BatchHandle, copy: BatchCopy) -> None:
-        if self.fault_hook is not None:
-            self.fault_hook(handle.batch, 0)
-        copy.issue(0, self.num_layers)
+        issue_batch(copy, self.num_layers, self._fault_hook_for(handle))
         handle.mark_issued(self.num_layers)
 
     def _issue_h2d(self, handle: BatchHandle, copy: BatchCopy, lane: _Lane) -> None:
-        group = copy.h2d_group
-        for first in range(0, self.num_layers, group):
-            last = min(first + group, self.num_layers)
-            if self.fault_hook is not None:
-                self.fault_hook(handle.batch, first)
-            copy.issue(first, last)
+        def layers_issued(first: int, last: int) -> None:
             for _ in range(first, last):
                 event = lane.layer_events.take()
                 event.record(lane.stream)  # layer readiness: after every pool's copy of it
                 handle.layer_events.append(event)
             handle.mark_issued(last)
+
+        issue_batch(copy, self.num_layers, self._fault_hook_for(handle), layers_issued)
+
+    def _fault_hook_for(self, handle: BatchHandle) -> Callable[[int], None] | None:
+        hook = self.fault_hook
+        if hook is None:
+            return None
+        return lambda first: hook(handle.batch, first)
 
     # --- completion thread ------------------------------------------------------------------
 

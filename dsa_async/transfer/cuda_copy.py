@@ -40,7 +40,7 @@ Index ops run on wide-integer views of the page rows (``wide_view``).
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -198,6 +198,25 @@ class BatchCopy:
             layers = plan.num_layers
             if first < layers:
                 plan.issue(first, min(last, layers))
+
+
+def issue_batch(copy: BatchCopy, num_layers: int,
+                before_group: Callable[[int], None] | None = None,
+                after_group: Callable[[int, int], None] | None = None) -> None:
+    """Issue every layer of a planned batch on the current stream, as the engine does.
+
+    D2H moves all layers at once; H2D moves ``copy.h2d_group`` layers at a time, calling
+    ``after_group(first, last)`` after each group (the engine records readiness events there).
+    ``before_group(first)`` runs before each group (the engine's fault hook). Never blocks.
+    """
+    group = num_layers if copy.direction is Direction.D2H else copy.h2d_group
+    for first in range(0, num_layers, group):
+        last = min(first + group, num_layers)
+        if before_group is not None:
+            before_group(first)
+        copy.issue(first, last)
+        if after_group is not None:
+            after_group(first, last)
 
 
 class _PoolPlan:
