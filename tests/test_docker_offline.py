@@ -89,8 +89,9 @@ def test_image_is_pinned_runs_unprivileged_and_serves_metrics():
     (base,) = [args for kw, args in instructions if kw == "FROM"]
     assert re.fullmatch(r"nvidia/cuda:\d+\.\d+\.\d+-runtime-ubuntu\d+\.\d+", base), base
     runs = " ".join(args for kw, args in instructions if kw == "RUN")
-    assert re.search(r"torch==\d+\.\d+\.\d+", runs)
-    assert "download.pytorch.org/whl/cu" in runs
+    pin = re.search(r"torch==(\d+)\.(\d+)\.\d+", runs)
+    assert pin and (int(pin[1]), int(pin[2])) >= (2, 11), "pin torch 2.11 or newer"
+    assert "--index-url https://download.pytorch.org/whl/cu128 torch==" in runs
     assert "[test]" in runs
     (user,) = [args for kw, args in instructions if kw == "USER"]
     assert user.split(":")[0] not in ("0", "root")
