@@ -182,8 +182,15 @@ class CudaEngine(TransferEngine):
                             for b in self.bindings.values()]
             self._streams = CopyStreams.create(self.device)
             staging = self._allocate_staging()
+            allocated = torch.cuda.Event()
+            allocated.record(torch.cuda.current_stream(self.device))
             self._lanes = {d: _Lane(self, d, self._streams.streams[d], staging[d])
                            for d in Direction}
+            for lane in self._lanes.values():
+                # The staging memory may have been freed by work still queued on the stream that
+                # allocated it (the caching allocator orders reuse on that stream only): the copy
+                # streams start after that work.
+                lane.stream.wait_event(allocated)
         except BaseException:
             if self._streams is not None:
                 self._streams.destroy()
@@ -196,6 +203,11 @@ class CudaEngine(TransferEngine):
     def _allocate_staging(self) -> dict[Direction, DeviceStaging]:
         """Both directions' staging and index buffers, now; ``ConfigError`` if they do not fit."""
         index_pages = min(min(b.host.shape[1], b.device_pages) for b in self.bindings.values())
+        widest_row = max(b.geometry.bytes_per_page_per_layer for b in self.bindings.values())
+        if self.staging_bytes < 2 * widest_row:
+            raise ConfigError(f"device staging of {self.staging_bytes:,} B per direction is below "
+                              f"two page rows ({widest_row:,} B each); raise "
+                              f"ServiceConfig.device_staging_bytes")
         try:
             return {d: DeviceStaging(self.device, self.staging_bytes, index_pages)
                     for d in Direction}
@@ -350,15 +362,27 @@ class CudaEngine(TransferEngine):
         for lane in self._lanes.values():
             lane.issuer.join()
             lane.completer.join()
-        try:
-            for lane in self._lanes.values():
+        # Every step runs even after a device fault, so what can be returned is returned; the
+        # first error is raised at the end.
+        errors: list[BaseException] = []
+        for lane in self._lanes.values():
+            try:
                 lane.stream.synchronize()  # every copy using the arenas is done before unlocking
-        finally:
-            self._lanes = {}  # the staging goes only after its streams are idle
-            if self._streams is not None:
-                streams, self._streams = self._streams, None
+            except BaseException as exc:  # noqa: BLE001 - a sticky device error: carry on
+                errors.append(exc)
+        self._lanes = {}  # the staging goes only after its streams are idle
+        if self._streams is not None:
+            streams, self._streams = self._streams, None
+            try:
                 streams.destroy()
-            self._pinning.unregister_all()
+            except BaseException as exc:  # noqa: BLE001 - carry on with the arenas
+                errors.append(exc)
+        try:
+            self._pinning.unregister_all()  # logs what it could not undo
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+        if errors:
+            raise errors[0]
 
     # --- issuing thread ---------------------------------------------------------------------
 

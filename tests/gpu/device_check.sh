@@ -23,7 +23,8 @@ python -c 'import sys, torch; print("python", sys.version.split()[0], "torch", t
 "cuda", torch.version.cuda, "available", torch.cuda.is_available())' 2>&1 | tee -a "$LOG"
 say "ulimit -l (locked memory): $(ulimit -l)"
 
-say "== gpu tests"
+say "== gpu tests (engine, page-locking, and the service on cuda: tests/gpu/test_cuda_service.py)"
+[ -f tests/gpu/test_cuda_service.py ] || say "MISSING tests/gpu/test_cuda_service.py"
 # No asyncio plugin is needed by these tests; keep the run independent of the plugin's
 # ini options (strict config would reject them when the plugin is missing).
 timeout 240 python -m pytest -m gpu -q -rfEs -p no:cacheprovider -o addopts="" \
@@ -47,7 +48,9 @@ from dsa_async.transfer.cuda import CudaEngine
 from dsa_async.transfer.handoff import LoopHandoff
 
 dev = torch.device("cuda", 0)
-nbytes = 512 << 20
+# Two halves of 640 MiB: the arena (1.25 GiB) spans more than one 1 GiB registration chunk, so
+# the probe's copies cross registration edges as a production-sized pool's do.
+nbytes = 640 << 20
 
 def plain():
     host = torch.empty(2 * nbytes, dtype=torch.uint8).pin_memory()
@@ -91,6 +94,8 @@ def engine_probe(random_device):
                                          LoopHandoff(loop), lambda h: None)
         out["pin_s"] = time.perf_counter() - t
         out["pinned_bytes"] = engine.pinned_bytes
+        out["registrations"] = len(engine._pinning.registrations)
+        assert out["pinned_bytes"] > engine.pin_chunk_bytes, "probe arena within one chunk"
         async def run(*batches):
             t = time.perf_counter()
             hs = [engine.submit(b()) for b in batches]
@@ -127,8 +132,8 @@ for random_device in (False, True):
     print(f"engine, {label}: h2d {e['h2d']:.1f} GB/s ({e['h2d'] / p['h2d']:.0%} of plain), "
           f"d2h {e['d2h']:.1f} GB/s ({e['d2h'] / p['d2h']:.0%}), both {e['both']:.1f} GB/s "
           f"({e['both_vs_one']:.2f}x one direction, wall clock)")
-    print(f"  page-locked {e['pinned_bytes']:,} B in {e['pin_s']:.2f} s "
-          f"(allocation + zero-fill {e['alloc_s']:.2f} s)")
+    print(f"  page-locked {e['pinned_bytes']:,} B in {e['registrations']} registrations in "
+          f"{e['pin_s']:.2f} s (allocation + zero-fill {e['alloc_s']:.2f} s)")
 PY
 probe_rc=$?
 say "engine probe exit code: $probe_rc"

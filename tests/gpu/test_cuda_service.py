@@ -1,0 +1,346 @@
+"""The CUDA backend through ``OffloadService(backend="cuda")``: ordering against the caller's
+streams, registration edges, stream ownership, sticky faults and device-true timeliness.
+
+Plain sync tests that run their own event loop, so they need no asyncio plugin (they also run
+with ``-p no:asyncio``). Each case is a property the service must keep on a real device; the
+comment on each says which defect it would have caught.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dsa_async import OffloadService, PoolSize, ServiceConfig
+from dsa_async.geometry import dsa_indexer
+from dsa_async.kinds import Direction
+from dsa_async.transfer.cuda import CudaEngine
+
+pytestmark = pytest.mark.gpu
+
+DEVICE = torch.device("cuda", 0)
+WAIT_S = 120.0
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run(main):
+    """Run ``main()`` on a fresh loop (uvloop when installed, as the server does)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main())
+    return uvloop.run(main())
+
+
+@functools.cache
+def cycles_per_second() -> float:
+    """``torch.cuda._sleep`` cycles per second on this device (measured once)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1_000)  # warm-up
+    start.record()
+    torch.cuda._sleep(20_000_000)
+    end.record()
+    end.synchronize()
+    return 20_000_000 / (start.elapsed_time(end) / 1e3)
+
+
+def gpu_sleep(seconds: float) -> None:
+    """Queue a kernel that keeps the current stream busy for about ``seconds``."""
+    torch.cuda._sleep(int(seconds * cycles_per_second()))
+
+
+def page_tokens(pages, page_size: int = 64) -> torch.Tensor:
+    pages = torch.as_tensor(pages, dtype=torch.int64)
+    return (pages[:, None] * page_size + torch.arange(page_size)).reshape(-1)
+
+
+def make_config(tmp_path, *, layers: int = 4, host_pages: int = 64) -> ServiceConfig:
+    return ServiceConfig(geometries=(dsa_indexer(num_layers=layers),),
+                         host_pool=PoolSize(pages=host_pages), backend="cuda",
+                         ledger_directory=str(tmp_path / "ledger"))
+
+
+def device_buffers(layers: int, pages: int) -> torch.Tensor:
+    """``[layers, pages, 8448]`` bytes, every page of every layer different."""
+    row = dsa_indexer().bytes_per_page_per_layer
+    return torch.randint(0, 256, (layers, pages, row), dtype=torch.uint8, device=DEVICE)
+
+
+@contextlib.asynccontextmanager
+async def cuda_service(config, buffers, **kwargs):
+    service = OffloadService(config, buffers, **kwargs)
+    await service.start()
+    try:
+        yield service
+    finally:
+        await asyncio.wait_for(service.close(), WAIT_S)
+
+
+async def finished(transfer):
+    return await asyncio.wait_for(transfer, WAIT_S)
+
+
+def layer_samples(service, timeliness: str) -> float:
+    value = service.registry.get_sample_value("dsa_async_prefetch_layers_total",
+                                              {"timeliness": timeliness})
+    return value or 0.0
+
+
+# --- ordering against the caller's streams ----------------------------------------------------
+
+
+def test_prefetch_waits_for_the_readers_queued_on_the_callers_stream(tmp_path):
+    # A load into device pages that attention kernels still read (queued on the forward
+    # stream) must not land before those kernels ran.
+    buffers = device_buffers(4, 32)
+
+    async def main():
+        async with cuda_service(make_config(tmp_path), buffers) as service:
+            backup = await finished(service.evict(page_tokens([0, 1, 2, 3])))
+            targets = [10, 11, 12, 13]
+            before = buffers[:, targets].clone()
+            snapshot = torch.empty_like(before)
+            gpu_sleep(0.5)  # the "attention kernel" is still running...
+            snapshot.copy_(buffers[:, targets])  # ...and reads the target pages after it
+            load = service.prefetch(backup.host_pages, page_tokens(targets))
+            await finished(load)
+            torch.cuda.synchronize()
+            assert torch.equal(snapshot, before), "the load overwrote pages still being read"
+            assert torch.equal(buffers[:, targets], buffers[:, [0, 1, 2, 3]])
+
+    run(main)
+
+
+def test_eviction_from_a_thread_on_its_own_stream_backs_up_what_that_stream_wrote(tmp_path):
+    # The default producer is the submitting thread's current stream, captured on that thread
+    # (not the loop thread's stream).
+    buffers = device_buffers(4, 32)
+    written = torch.full_like(buffers[:, :4], 7)
+
+    async def main():
+        async with cuda_service(make_config(tmp_path), buffers) as service:
+            done = threading.Event()
+            box = {}
+
+            def forward_thread():
+                stream = torch.cuda.Stream()
+                with torch.cuda.stream(stream):
+                    gpu_sleep(0.5)
+                    buffers[:, 4:8].copy_(written)  # the kernel that writes the pages
+                    box["future"] = service.call_threadsafe(service.evict, page_tokens(range(4, 8)))
+                done.set()
+
+            thread = threading.Thread(target=forward_thread)
+            thread.start()
+            await asyncio.to_thread(done.wait, WAIT_S)
+            thread.join()
+            transfer = await asyncio.wait_for(asyncio.wrap_future(box["future"]), WAIT_S)
+            backup = await finished(transfer)
+            load = service.prefetch(backup.host_pages, page_tokens(range(20, 24)))
+            await finished(load)
+            torch.cuda.synchronize()
+            assert torch.equal(buffers[:, 20:24], written), "the backup read the pages too early"
+
+    run(main)
+
+
+# --- registration edges -----------------------------------------------------------------------
+
+
+class SmallChunkEngine(CudaEngine):
+    pin_chunk_bytes = 1 << 20  # a 61-layer, 48-page arena spans 24 chunks
+
+
+class IssueTimedEngine(SmallChunkEngine):
+    """Records how long the issuing thread spent handing each batch to the stream."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.issue_s: list[float] = []
+        super().__init__(*args, **kwargs)
+
+    def _issue(self, lane, handle) -> None:
+        started = time.perf_counter()
+        super()._issue(lane, handle)
+        self.issue_s.append(time.perf_counter() - started)
+
+
+def test_pool_spanning_many_registrations_round_trips_byte_exact(tmp_path):
+    layers, host_pages = 61, 48
+    buffers = device_buffers(layers, 96)
+    original = buffers.clone()
+    rng = np.random.default_rng(0)
+
+    async def main():
+        config = make_config(tmp_path, layers=layers, host_pages=host_pages)
+        async with cuda_service(config, buffers, engine_factory=SmallChunkEngine) as service:
+            engine = service._engine  # white box: the registrations the copies must respect
+            assert len(engine._pinning.registrations) > 4
+            for round_ in range(6):
+                n = int(rng.integers(8, host_pages // 2))
+                pages = np.sort(rng.choice(48, n, replace=False)) if round_ % 2 else (
+                    np.arange(n) + int(rng.integers(0, 48 - n)))
+                backup = await finished(service.evict(page_tokens(pages)))
+                targets = rng.choice(np.arange(48, 96), n, replace=False)
+                await finished(service.prefetch(backup.host_pages, page_tokens(targets)))
+                torch.cuda.synchronize()
+                assert torch.equal(buffers[:, targets], original[:, pages]), round_
+                service.release(backup.host_pages)
+                buffers[:, 48:] = original[:, 48:]
+
+    run(main)
+
+
+def test_backup_behind_a_long_producer_is_handed_to_the_stream_at_once(tmp_path):
+    # A copy across two registrations counts as pageable; a pageable D2H copy blocks the
+    # issuing thread until the stream reaches it, here behind a 1 s kernel.
+    layers = 61
+    buffers = device_buffers(layers, 96)
+
+    async def main():
+        config = make_config(tmp_path, layers=layers, host_pages=48)
+        async with cuda_service(config, buffers, engine_factory=IssueTimedEngine) as service:
+            engine = service._engine
+            warm = await finished(service.evict(page_tokens(range(40, 48))))  # first launches
+            service.release(warm.host_pages)
+            engine.issue_s.clear()
+            gpu_sleep(1.0)  # the producer: the backup waits for it on the GPU
+            backup = service.evict(page_tokens(range(0, 40)))  # contiguous: memcpy paths
+            await finished(backup)
+            assert engine.issue_s and max(engine.issue_s) < 0.1, engine.issue_s
+
+    run(main)
+
+
+# --- stream ownership ------------------------------------------------------------------------
+
+
+def test_copy_streams_are_distinct_from_every_stream_the_process_created(tmp_path):
+    created = [torch.cuda.Stream() for _ in range(40)]
+    created += [torch.cuda.Stream(priority=-1) for _ in range(40)]
+    buffers = device_buffers(4, 32)
+
+    async def main():
+        async with cuda_service(make_config(tmp_path), buffers) as service:
+            more = [torch.cuda.Stream() for _ in range(40)]
+            streams = service._engine.copy_streams  # white box: the two lanes' streams
+            handles = [int(s.cuda_stream) for s in streams.values()]
+            assert len(set(handles)) == 2
+            others = created + more + [torch.cuda.current_stream(), torch.cuda.default_stream()]
+            assert not set(handles) & {int(s.cuda_stream) for s in others}
+            # Lower is more urgent: loads gate the forward pass.
+            assert streams[Direction.H2D].priority <= streams[Direction.D2H].priority
+            # Both lanes really copy on them: a round trip still works.
+            backup = await finished(service.evict(page_tokens([0, 1])))
+            await finished(service.prefetch(backup.host_pages, page_tokens([5, 6])))
+            torch.cuda.synchronize()
+            assert torch.equal(buffers[:, [5, 6]], buffers[:, [0, 1]])
+
+    run(main)
+
+
+# --- a sticky device fault --------------------------------------------------------------------
+
+_STICKY = textwrap.dedent("""
+    import asyncio, json, sys
+    import torch
+    from dsa_async import OffloadService, PoolSize, ServiceConfig
+    from dsa_async.geometry import dsa_indexer
+    from dsa_async.ledger import HostLedger
+
+    async def main():
+        g = dsa_indexer(num_layers=4)
+        buffers = torch.zeros(4, 32, g.bytes_per_page_per_layer, dtype=torch.uint8, device="cuda")
+        config = ServiceConfig(geometries=(g,), host_pool=PoolSize(pages=64), backend="cuda",
+                               ledger_directory=sys.argv[1])
+        service = OffloadService(config, buffers)
+        await service.start()
+        first = await service.evict(torch.arange(0, 128))
+        x = torch.zeros(4, device="cuda")
+        x[torch.tensor([1 << 30], device="cuda")] = 1  # out of bounds: a device-side assert
+        failed = None
+        try:
+            await asyncio.wait_for(service.evict(torch.arange(128, 256)), 60)
+        except Exception as exc:
+            failed = type(exc).__name__
+        close_error = None
+        try:
+            await asyncio.wait_for(service.close(), 60)
+        except Exception as exc:
+            close_error = type(exc).__name__
+        entries = len(HostLedger(sys.argv[1]).peek())  # while this process is alive
+        print(json.dumps({"first_pages": first.pages, "failed": failed,
+                          "close_error": close_error, "ledger_entries": entries}))
+
+    asyncio.run(main())
+""")
+
+
+def test_sticky_fault_fails_the_transfer_and_close_returns_the_reservation(tmp_path):
+    ledger = tmp_path / "ledger"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", _STICKY, str(ledger)], capture_output=True,
+                          text=True, timeout=180, env=env, cwd=REPO)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert lines, f"no result (rc {done.returncode}):\n{done.stderr[-3000:]}"
+    result = json.loads(lines[-1])
+    assert result["first_pages"] == 2
+    assert result["failed"] is not None, "a transfer after the fault reported success"
+    assert result["ledger_entries"] == 0, f"the reservation outlived close(): {result}"
+
+
+# --- device-true timeliness -------------------------------------------------------------------
+
+
+def test_layer_counts_late_only_when_the_consumers_stream_waited(tmp_path):
+    layers = 8
+    buffers = device_buffers(layers, 64)
+
+    async def main():
+        async with cuda_service(make_config(tmp_path, layers=layers), buffers) as service:
+            backup = await finished(service.evict(page_tokens(range(0, 8))))
+
+            # On time: the consumer's stream is busy for 0.5 s, far longer than the load; it
+            # asks for every layer at once (before the copies ran) but never waits on the GPU.
+            def consume(transfer, busy_s):
+                stream = torch.cuda.Stream()
+                with torch.cuda.stream(stream):
+                    if busy_s:
+                        gpu_sleep(busy_s)
+                    for layer in range(layers):
+                        transfer.wait_layer(layer, timeout_s=WAIT_S)
+                stream.synchronize()
+
+            load = service.prefetch(backup.host_pages, page_tokens(range(16, 24)))
+            await asyncio.to_thread(consume, load, 0.5)
+            await finished(load)
+            assert layer_samples(service, "late") == 0
+            assert layer_samples(service, "on_time") == layers
+
+            # Late: the load waits 0.5 s for its producer; the idle consumer stream waits for it.
+            producer_stream = torch.cuda.Stream()
+            with torch.cuda.stream(producer_stream):
+                gpu_sleep(0.5)
+                producer = torch.cuda.Event()
+                producer.record(producer_stream)
+            load = service.prefetch(backup.host_pages, page_tokens(range(32, 40)),
+                                    after=producer)
+            await asyncio.to_thread(consume, load, 0.0)
+            await finished(load)
+            assert layer_samples(service, "late") >= 1
+            waited = service.registry.get_sample_value("dsa_async_prefetch_wait_seconds_sum")
+            assert waited is not None and waited > 0.2
+
+    run(main)
