@@ -23,10 +23,10 @@ range there (``registrations.RegistrationMap.split``). Chunks are registered wit
 ``cudaHostRegisterMapped`` too, so gather/scatter kernels can reach the arena through unified
 addressing (``mapped``); those have no edge limit.
 
-Locked-memory limit. The CUDA driver pins registered memory itself; as far as measured it does
-not count ``cudaHostRegister`` against ``RLIMIT_MEMLOCK`` (the limit is printed in refusals for
-reference only). A refusal means host memory or the driver's own limits ran out: make the pool
-smaller.
+Locked-memory limit. The CUDA driver pins registered memory itself; as far as known (not
+measured here) it does not count ``cudaHostRegister`` against ``RLIMIT_MEMLOCK``, so refusals
+print the limit for reference only and do not advise raising it. A refusal means host memory
+or the driver's own limits ran out: make the pool smaller.
 
 Error isolation. A failed CUDA runtime call also leaves its code as the calling thread's "last
 error", which PyTorch's next kernel-launch check on that thread would report as its own failure.
@@ -221,8 +221,8 @@ class HostPinning:
                 f"offset {start - ptr:,} of the arena's {nbytes:,} B with "
                 f"{cuda_error_text(code)}; nothing of this arena stays page-locked. Make the "
                 f"host pool smaller (ServiceConfig.host_pool) or free host memory. For "
-                f"reference: {memlock_limit_text()} (the driver does not charge "
-                f"cudaHostRegister to it as far as measured)"
+                f"reference: {memlock_limit_text()} (as far as known the driver does not "
+                f"charge cudaHostRegister to it)"
             )
 
     def _register_pieces(self, lo: int, hi: int, pieces: list[tuple[int, int]]):
