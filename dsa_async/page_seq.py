@@ -4,10 +4,13 @@ A request of a few pages is where the service spends its time per request, and n
 microsecond or two per call on arrays that small. So the front door turns a request's tokens
 into whole pages as a Python ``range`` (the common case: a token range, or a tensor holding
 one) or a ``list[int]``, and the scheduler builds one numpy array per copy batch, not per
-request. Anything the fast path does not recognise goes through the full validation in
+request. Long requests come in two more forms that cost O(pages) Python work and one
+vectorized pass over the tokens: every token of each page, pages in any order
+(:mod:`aligned_tokens`), and page indices given directly (:class:`page_indices.Pages`).
+Anything the fast paths do not recognise goes through the full validation in
 :mod:`dsa_async.pages`, which raises the same errors it always did.
 
-All functions are pure and non-blocking.
+All functions are pure, non-blocking and thread-safe.
 """
 
 from __future__ import annotations
@@ -18,7 +21,18 @@ from itertools import chain
 import numpy as np
 import torch
 
-from .pages import IndexLike, checked_index_array, is_run, pair_tokens_to_pages, tokens_to_pages
+from .aligned_tokens import aligned_pages, distinct
+from .errors import IndexTypeError, IndexValueError
+from .page_indices import Pages
+from .pages import (
+    IndexLike,
+    checked_index_array,
+    is_run,
+    pair_pages,
+    pair_tokens_to_pages,
+    tokens_to_pages,
+    unique_in_order,
+)
 
 #: Pages of one request, in request order, each page once.
 PageSeq = range | list[int]
@@ -28,9 +42,10 @@ _INT64 = torch.int64
 _NP_INT64 = np.dtype(np.int64)
 
 
-def _token_range(value: IndexLike, upper_bound: int) -> range | None:
-    """``value`` as a validated ascending token range within ``[0, upper_bound)``, or ``None``
-    when it is anything else (the caller then validates it in full and raises what is wrong)."""
+def _fast_form(value: IndexLike, upper_bound: int) -> range | np.ndarray | None:
+    """``value`` as a validated ascending range within ``[0, upper_bound)``; else, for a 1-D
+    contiguous ``int64`` CPU tensor or array, its (unvalidated) numpy view; else ``None``. The
+    caller validates anything that is not a range in full, which raises what is wrong."""
     if type(value) is torch.Tensor:
         if (value.dtype is not _INT64 or not value.is_cpu or value.dim() != 1
                 or not value.is_contiguous()):
@@ -51,8 +66,21 @@ def _token_range(value: IndexLike, upper_bound: int) -> range | None:
         return _EMPTY
     first, last = array.item(0), array.item(-1)
     if first < 0 or last >= upper_bound or not is_run(array):
-        return None
+        return array
     return range(first, last + 1)
+
+
+def _aligned(form: range | np.ndarray | None, ps: int, upper_bound: int
+             ) -> range | np.ndarray | None:
+    """The pages of a fast form that holds every token of each of its pages, in order, each
+    page once, within bounds (see :mod:`aligned_tokens`); ``None`` otherwise."""
+    if type(form) is range:
+        if not form or form.start % ps or len(form) % ps:
+            return None
+        return range(form.start // ps, form.stop // ps)
+    if form is None:
+        return None
+    return aligned_pages(form, ps, upper_bound)
 
 
 def compact(pages: np.ndarray) -> PageSeq:
@@ -66,44 +94,105 @@ def compact(pages: np.ndarray) -> PageSeq:
     return pages.tolist()
 
 
-def tokens_to_page_seq(tokens: IndexLike, name: str, upper_bound: int,
+def tokens_to_page_seq(tokens: IndexLike | Pages, name: str, upper_bound: int,
                        page_size_tokens: int) -> tuple[PageSeq, int]:
     """The whole pages holding ``tokens`` and the padding tokens that come along.
 
-    Raises ``IndexTypeError``/``IndexValueError`` (see :func:`pages.checked_index_array`)."""
-    tokens_range = _token_range(tokens, upper_bound)
+    ``tokens`` may be :class:`Pages` (page indices given directly: no padding). Raises
+    ``IndexTypeError``/``IndexValueError`` (see :func:`pages.checked_index_array`)."""
     ps = page_size_tokens
-    if tokens_range is not None:
-        if not tokens_range:
+    if isinstance(tokens, Pages):
+        pages = _given_pages(tokens, name, upper_bound // ps)
+        if type(pages) is range:
+            return pages, 0
+        return compact(pages if distinct(pages) else unique_in_order(pages)), 0
+    form = _fast_form(tokens, upper_bound)
+    if type(form) is range:
+        if not form:
             return _EMPTY, 0
-        pages = range(tokens_range.start // ps, (tokens_range.stop - 1) // ps + 1)
-        return pages, len(pages) * ps - len(tokens_range)
+        pages = range(form.start // ps, (form.stop - 1) // ps + 1)
+        return pages, len(pages) * ps - len(form)
+    if form is not None:
+        aligned = aligned_pages(form, ps, upper_bound)
+        if aligned is not None:
+            return compact(aligned), 0
     array, is_range = checked_index_array(tokens, name=name, upper_bound=upper_bound)
     paged = tokens_to_pages(array, ps, is_range=is_range)
     return compact(paged.pages), paged.padding_tokens
 
 
-def paired_page_seqs(host_tokens: IndexLike, device_tokens: IndexLike, *, host_bound: int,
-                     device_bound: int, page_size_tokens: int) -> tuple[PageSeq, PageSeq, int]:
+def paired_page_seqs(host_tokens: IndexLike | Pages, device_tokens: IndexLike | Pages, *,
+                     host_bound: int, device_bound: int, page_size_tokens: int
+                     ) -> tuple[PageSeq, PageSeq, int]:
     """Host and device pages paired in request order, and the padding tokens.
 
-    Raises as :func:`pages.pair_tokens_to_pages` does (``PageAlignmentError`` names the first
-    pair whose in-page offsets differ)."""
+    Both sides may be :class:`Pages` (not one of them). Raises as
+    :func:`pages.pair_tokens_to_pages` does (``PageAlignmentError`` names the first pair whose
+    in-page offsets differ)."""
     ps = page_size_tokens
-    host = _token_range(host_tokens, host_bound)
-    device = _token_range(device_tokens, device_bound)
-    if (host is not None and device is not None and len(host) == len(device)
+    host_is_pages, device_is_pages = isinstance(host_tokens, Pages), isinstance(device_tokens,
+                                                                                 Pages)
+    if host_is_pages or device_is_pages:
+        if not (host_is_pages and device_is_pages):
+            given, other = (("host_tokens", "device_tokens") if host_is_pages
+                            else ("device_tokens", "host_tokens"))
+            raise IndexTypeError(
+                f"{given} is given as Pages but {other} as token indices; pairs are matched "
+                f"position by position, so give both sides in one form: wrap {other} in "
+                f"Pages(...) too, or pass {given} as token indices")
+        return _paired_given_pages(host_tokens, device_tokens, host_bound // ps,
+                                   device_bound // ps)
+    host = _fast_form(host_tokens, host_bound)
+    device = _fast_form(device_tokens, device_bound)
+    if (type(host) is range and type(device) is range and len(host) == len(device)
             and (host.start - device.start) % ps == 0):
         if not host:
             return _EMPTY, _EMPTY, 0
         host_pages = range(host.start // ps, (host.stop - 1) // ps + 1)
         device_pages = range(device.start // ps, device.start // ps + len(host_pages))
         return host_pages, device_pages, len(host_pages) * ps - len(host)
+    host_aligned = _aligned(host, ps, host_bound)
+    if host_aligned is not None:
+        device_aligned = _aligned(device, ps, device_bound)
+        if device_aligned is not None and len(host_aligned) == len(device_aligned):
+            # Both sides whole pages, row by row, each page once: the rows pair page to page.
+            return _seq(host_aligned), _seq(device_aligned), 0
     host_array, _ = checked_index_array(host_tokens, name="host_tokens", upper_bound=host_bound)
     device_array, _ = checked_index_array(device_tokens, name="device_tokens",
                                           upper_bound=device_bound)
     pairs = pair_tokens_to_pages(host_array, device_array, ps)
     return compact(pairs.host_pages), compact(pairs.device_pages), pairs.padding_tokens
+
+
+def _seq(pages: range | np.ndarray) -> PageSeq:
+    return pages if type(pages) is range else compact(pages)
+
+
+def _given_pages(given: Pages, name: str, bound_pages: int) -> range | np.ndarray:
+    """The validated indices of ``given``: a range when they are one, else ``int64 [n]``."""
+    form = _fast_form(given.pages, bound_pages)
+    if type(form) is range:
+        return form
+    array, _ = checked_index_array(given.pages, name=f"{name}.pages", upper_bound=bound_pages,
+                                   unit="pages")
+    return array
+
+
+def _paired_given_pages(host: Pages, device: Pages, host_bound_pages: int,
+                        device_bound_pages: int) -> tuple[PageSeq, PageSeq, int]:
+    host_pages = _given_pages(host, "host_tokens", host_bound_pages)
+    device_pages = _given_pages(device, "device_tokens", device_bound_pages)
+    if len(host_pages) != len(device_pages):
+        raise IndexValueError(
+            f"host_tokens has {len(host_pages)} pages but device_tokens has "
+            f"{len(device_pages)}; pairs need the same length")
+    host_distinct = type(host_pages) is range or distinct(host_pages)
+    if host_distinct and (type(device_pages) is range or distinct(device_pages)):
+        return _seq(host_pages), _seq(device_pages), 0
+    host_array = np.asarray(host_pages, dtype=np.int64)
+    device_array = np.asarray(device_pages, dtype=np.int64)
+    host_unique, device_unique = pair_pages(host_array, device_array)
+    return compact(host_unique), compact(device_unique), 0
 
 
 def concat_pages(seqs: Sequence[PageSeq], count: int) -> np.ndarray:

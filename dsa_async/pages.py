@@ -33,13 +33,14 @@ def as_index_array(value: IndexLike, *, name: str, upper_bound: int | None = Non
     return checked_index_array(value, name=name, upper_bound=upper_bound)[0]
 
 
-def checked_index_array(value: IndexLike, *, name: str, upper_bound: int | None = None
-                        ) -> tuple[np.ndarray, bool]:
+def checked_index_array(value: IndexLike, *, name: str, upper_bound: int | None = None,
+                        unit: str = "slots") -> tuple[np.ndarray, bool]:
     """Validate an index argument: ``(int64 [n] array, whether it is one ascending range)``.
 
     Accepts a 1-D integer CPU tensor, a 1-D integer numpy array, or a sequence of ints.
-    ``upper_bound`` (exclusive) is checked when given. Raises ``IndexTypeError`` for a wrong
-    type, dtype or device and ``IndexValueError`` for a wrong shape, layout or value.
+    ``upper_bound`` (exclusive) is checked when given; ``unit`` names what the indices count
+    in the out-of-range message ("slots": token slots, or "pages"). Raises ``IndexTypeError``
+    for a wrong type, dtype or device and ``IndexValueError`` for a wrong shape, layout or value.
     """
     if isinstance(value, torch.Tensor):
         if value.device.type != "cpu":
@@ -87,7 +88,7 @@ def checked_index_array(value: IndexLike, *, name: str, upper_bound: int | None 
         too_large = array > _INT64_MAX
         if too_large.any():
             at = int(np.argmax(too_large))
-            raise _out_of_range(name, at, int(array[at]), upper_bound)
+            raise _out_of_range(name, at, int(array[at]), upper_bound, unit)
     array = array.astype(np.int64, copy=False)
     is_range = False
     if array.size:
@@ -100,19 +101,20 @@ def checked_index_array(value: IndexLike, *, name: str, upper_bound: int | None 
         if upper_bound is not None:
             if high >= upper_bound:
                 at = int(np.argmax(array >= upper_bound))
-                raise _out_of_range(name, at, int(array[at]), upper_bound)
+                raise _out_of_range(name, at, int(array[at]), upper_bound, unit)
     return array, is_range
 
 
 _INT64_MAX = np.iinfo(np.int64).max
 
 
-def _out_of_range(name: str, at: int, value: int, upper_bound: int | None) -> IndexValueError:
+def _out_of_range(name: str, at: int, value: int, upper_bound: int | None,
+                  unit: str) -> IndexValueError:
     if upper_bound is None:
         return IndexValueError(
             f"{name}[{at}] = {value} is out of range: indices are int64 (at most {_INT64_MAX})")
     return IndexValueError(
-        f"{name}[{at}] = {value} is out of range: this side holds {upper_bound} slots "
+        f"{name}[{at}] = {value} is out of range: this side holds {upper_bound} {unit} "
         f"(valid 0..{upper_bound - 1})"
     )
 
@@ -134,7 +136,7 @@ def is_run(values: np.ndarray) -> bool:
     return n == 1 or bool((values[1:] > values[:-1]).all())
 
 
-def _first_occurrence_unique(values: np.ndarray) -> np.ndarray:
+def unique_in_order(values: np.ndarray) -> np.ndarray:
     """Distinct values of a 1-D array in the order they first appear."""
     if values.size <= 1:
         return values.copy()
@@ -182,7 +184,7 @@ def tokens_to_pages(tokens: np.ndarray, page_size_tokens: int, *,
         first, last = int(tokens[0]) // page_size_tokens, int(tokens[-1]) // page_size_tokens
         pages = np.arange(first, last + 1, dtype=np.int64)
         return PagedTokens(pages, n, pages.size * page_size_tokens - n)
-    pages = _first_occurrence_unique(tokens // page_size_tokens)
+    pages = unique_in_order(tokens // page_size_tokens)
     distinct = _count_distinct(tokens)
     return PagedTokens(pages, distinct, pages.size * page_size_tokens - distinct)
 
@@ -230,35 +232,57 @@ def pair_tokens_to_pages(
         )
     host_pages_all = host_tokens // ps
     device_pages_all = device_tokens // ps
-    # One key per (host page, device page) pair; the pair set must be a bijection.
-    span = int(device_pages_all.max()) + 1 if device_pages_all.size else 1
-    keys = host_pages_all * span + device_pages_all
-    unique_keys = _first_occurrence_unique(keys)
-    host_pages = unique_keys // span
-    device_pages = unique_keys % span
-    for side, pages in (("host", host_pages), ("device", device_pages)):
-        if _count_distinct(pages) != pages.size:
-            _raise_inconsistent(side, pages, host_pages_all, device_pages_all, host_tokens,
-                                device_tokens, ps)
+    host_pages, device_pages, conflict = _unique_pairs(host_pages_all, device_pages_all)
+    if conflict is not None:
+        side, j, page, first_partner = conflict
+        other = device_pages_all if side == "host" else host_pages_all
+        raise PageAlignmentError(
+            f"pair {j}: {side} page {page} (host token {int(host_tokens[j])}, device token "
+            f"{int(device_tokens[j])}) is paired with two different pages "
+            f"({first_partner} and {int(other[j])}) with page size {ps} tokens; a page moves "
+            f"whole, so all tokens of one page must go to one page on the other side"
+        )
     distinct = _count_distinct(device_tokens)
     return PagePairs(host_pages, device_pages, distinct, host_pages.size * ps - distinct)
 
 
-def _raise_inconsistent(side, pages, host_pages_all, device_pages_all, host_tokens,
-                        device_tokens, ps) -> None:
-    _, first, counts = np.unique(pages, return_index=True, return_counts=True)
-    page = int(pages[first[counts > 1].min()])
-    mine = host_pages_all if side == "host" else device_pages_all
-    other = device_pages_all if side == "host" else host_pages_all
-    where = np.flatnonzero(mine == page)
-    partners = other[where]
-    j = int(where[np.argmax(partners != partners[0])])
-    raise PageAlignmentError(
-        f"pair {j}: {side} page {page} (host token {int(host_tokens[j])}, device token "
-        f"{int(device_tokens[j])}) is paired with two different pages "
-        f"({int(partners[0])} and {int(other[j])}) with page size {ps} tokens; a page moves "
-        f"whole, so all tokens of one page must go to one page on the other side"
-    )
+def pair_pages(host_pages: np.ndarray, device_pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Host/device page pairs given as pages (validated ``int64 [n]`` each, same length), each
+    pair once, in request order. A page paired with two different pages is refused
+    (``PageAlignmentError`` names the first such pair)."""
+    assert host_pages.size == device_pages.size, "the caller checks the lengths"
+    host, device, conflict = _unique_pairs(host_pages, device_pages)
+    if conflict is not None:
+        side, j, page, first_partner = conflict
+        other = device_pages if side == "host" else host_pages
+        raise PageAlignmentError(
+            f"pair {j}: {side} page {page} is paired with two different pages "
+            f"({first_partner} and {int(other[j])}); a page moves whole to one page, so each "
+            f"page may be paired with one page on the other side only"
+        )
+    return host, device
+
+
+def _unique_pairs(host_pages_all: np.ndarray, device_pages_all: np.ndarray):
+    """Distinct ``(host page, device page)`` pairs in first-occurrence order, and ``None`` or
+    the first conflict ``(side, pair index, page, its first partner)`` when a page of one side
+    pairs with two pages of the other (the pair set must be a bijection)."""
+    span = int(device_pages_all.max()) + 1 if device_pages_all.size else 1
+    keys = host_pages_all * span + device_pages_all  # one key per pair
+    unique_keys = unique_in_order(keys)
+    host_pages = unique_keys // span
+    device_pages = unique_keys % span
+    for side, pages in (("host", host_pages), ("device", device_pages)):
+        if _count_distinct(pages) != pages.size:
+            _, first, counts = np.unique(pages, return_index=True, return_counts=True)
+            page = int(pages[first[counts > 1].min()])
+            mine = host_pages_all if side == "host" else device_pages_all
+            other = device_pages_all if side == "host" else host_pages_all
+            where = np.flatnonzero(mine == page)
+            partners = other[where]
+            j = int(where[np.argmax(partners != partners[0])])
+            return host_pages, device_pages, (side, j, page, int(partners[0]))
+    return host_pages, device_pages, None
 
 
 def page_runs(src_pages: np.ndarray, dst_pages: np.ndarray) -> np.ndarray:
