@@ -26,7 +26,8 @@ one call, and each pool gets one of three paths, fixed for the whole batch:
 Worked count for the DSA indexer (``layer_first``, 8,448 B rows) and one batch of 272 pages:
 host extents with device runs of 16 pages take ``STAGED``: per layer one gather and one memcpy,
 plus one index upload for the batch: (2 x 61 + 1) / 61 = 2.02 calls per layer. Single pages at
-random take ``MAPPED``: about 2 kernels per layer.
+random take ``MAPPED``: H2D 2 kernels per layer; D2H one gather per layer and one scatter per
+group of layers that fits the staging (29 layers of 2.3 MB in 64 MiB), about 1.07 per layer.
 
 **Registration edges.** The arena is page-locked in chunks, and one memcpy must not span two
 registrations (see ``registrations``): every memcpy here goes through :func:`_memcpy`, which
