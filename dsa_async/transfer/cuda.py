@@ -202,7 +202,10 @@ class CudaEngine(TransferEngine):
 
     def _allocate_staging(self) -> dict[Direction, DeviceStaging]:
         """Both directions' staging and index buffers, now; ``ConfigError`` if they do not fit."""
-        index_pages = min(min(b.host.shape[1], b.device_pages) for b in self.bindings.values())
+        # A batch never repeats a page it writes: host pages of a backup, device pages of a
+        # load (two backups may read one device page, two loads one host page).
+        index_pages = max(min(b.host.shape[1] for b in self.bindings.values()),
+                          min(b.device_pages for b in self.bindings.values()))
         widest_row = max(b.geometry.bytes_per_page_per_layer for b in self.bindings.values())
         if self.staging_bytes < 2 * widest_row:
             raise ConfigError(f"device staging of {self.staging_bytes:,} B per direction is below "

@@ -90,7 +90,7 @@ class DeviceStaging:
     """One direction's device buffers, allocated once: ``buffer`` (page rows) and ``index``.
 
     ``index`` holds ``2 x index_pages`` ``int64`` (a batch's host and device pages); a batch
-    never holds more pages than the smaller side has, so sizing it by that is exact.
+    never repeats a page it writes, so the larger side's page count bounds it.
     Allocating raises ``torch.OutOfMemoryError`` here, never while serving.
     """
 
