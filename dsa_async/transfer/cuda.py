@@ -153,6 +153,10 @@ class CudaEngine(TransferEngine):
     """
 
     backend = Backend.CUDA
+    #: What ``after=`` may hold for this backend (besides Transfers), for messages.
+    producer_kinds = "torch.cuda.Event, torch.cuda.Stream"
+    #: A producer is waited for on the GPU (``stream.wait_event``): that wait cannot fail alone.
+    producer_waits_can_fail = False
     #: Default bytes of device staging per direction.
     staging_bytes = DEFAULT_STAGING_BYTES
     #: Largest single cudaHostRegister call.
