@@ -332,3 +332,23 @@ def test_table_warns_when_other_processes_shared_the_cpus():
     run.machine.update(busy)
     lines = format_table(run, TARGETS).splitlines()
     assert any(line.startswith("note: 1-minute load") for line in lines)
+
+
+async def test_front_door_at_scale_reports_its_figures_and_fragments_as_defined():
+    from dsa_async.bench import scale_scenarios
+
+    run = await run_bench(_config(), [scale_scenarios.scheduler_at_scale],
+                          progress=lambda line: None)
+    assert run.errors == {}  # the scenario raises when fragmenting leaves other holes
+    names = {"scheduler.scattered_us_per_page", "scheduler.fragmented_us_per_request",
+             "scheduler.fragmented_overhead_ratio"}
+    assert set(run.results) == names
+    for name in names:
+        assert run.results[name] > 0 and TARGETS[name].target is not None
+    # The command line never runs below the minimum figure size, so it always measures at the
+    # sizes the figures are defined at.
+    assert bench_runner.MIN_FIGURE_BYTES > TINY_BYTES
+    assert scale_scenarios.SIZES == scale_scenarios.ScaleSizes(
+        scattered_host_pages=32_768, scattered_device_pages=4_096,
+        scattered_request_pages=1_024, scattered_requests_per_round=20,
+        fragmented_pool_pages=262_144, fragmented_run_pages=4)

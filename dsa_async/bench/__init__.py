@@ -8,6 +8,7 @@ from . import (  # noqa: F401 - registers them
     copy_scenarios,
     cuda_launch_scenarios,
     pool_scenarios,
+    scale_scenarios,
     service_scenarios,
 )
 from .registry import (

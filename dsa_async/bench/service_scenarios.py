@@ -17,6 +17,7 @@ import time
 import torch
 
 from ..config import PoolSize, ServiceConfig
+from ..geometry import PageGeometry
 from ..service import OffloadService
 from ..transfer.noop import NoopEngine
 from .registry import BenchContext, Comparison, Target, register_scenario, register_target
@@ -44,9 +45,12 @@ OVERLAP = register_target(Target(
 DEVICE_PAGES = 512
 
 
-def _service(ctx: BenchContext, host_pages: int, engine_factory, device_pages: int
-             ) -> tuple[OffloadService, list[torch.Tensor]]:
-    g = ctx.geometry
+def bench_service(ctx: BenchContext, host_pages: int, engine_factory, device_pages: int,
+                  geometry: PageGeometry | None = None
+                  ) -> tuple[OffloadService, list[torch.Tensor]]:
+    """A CPU-backend service (not started) with zeroed per-layer device tensors and a private
+    ledger; ``geometry`` defaults to the bench's."""
+    g = ctx.geometry if geometry is None else geometry
     device = [torch.zeros(device_pages, g.bytes_per_page_per_layer, dtype=torch.uint8)
               for _ in range(g.num_layers)]
     config = ServiceConfig(geometries=(g,), host_pool=PoolSize(pages=host_pages), backend="cpu",
@@ -54,7 +58,8 @@ def _service(ctx: BenchContext, host_pages: int, engine_factory, device_pages: i
     return OffloadService(config, device, engine_factory=engine_factory), device
 
 
-def _token_requests(count: int, seed: int) -> list[torch.Tensor]:
+def token_requests(count: int, seed: int) -> list[torch.Tensor]:
+    """The overhead workload: token ranges of 1-4 pages at random in-page offsets."""
     rng = random.Random(seed)
     out = []
     for _ in range(count):
@@ -83,19 +88,26 @@ def _python_reference_us(tensors: list[torch.Tensor]) -> float:
     return (time.perf_counter() - started) / (3 * len(tensors)) * 1e6
 
 
+async def overhead_round_us(service: OffloadService, requests: list[torch.Tensor]) -> float:
+    """One round of the ``scheduler.overhead_us_per_request`` workload: every eviction
+    submitted, then each awaited and its host pages released; wall time per request (us)."""
+    started = time.perf_counter()
+    transfers = [service.evict(tokens) for tokens in requests]
+    for transfer in transfers:
+        service.release((await transfer).host_pages)
+    return (time.perf_counter() - started) / len(requests) * 1e6
+
+
 async def _scheduler_figures(ctx: BenchContext) -> dict[str, float]:
-    service, _ = _service(ctx, 4096, NoopEngine, DEVICE_PAGES)
-    requests = _token_requests(1000, ctx.seed)
+    service, _ = bench_service(ctx, 4096, NoopEngine, DEVICE_PAGES)
+    requests = token_requests(1000, ctx.seed)
     async with service:
         per_request, reference = [], []
         for round_ in range(max(ctx.pairs, 5) + 1):
             reference.append(_python_reference_us(requests))
-            started = time.perf_counter()
-            transfers = [service.evict(tokens) for tokens in requests]
-            for transfer in transfers:
-                service.release((await transfer).host_pages)
+            round_us = await overhead_round_us(service, requests)
             if round_:  # the first round warms allocators and caches
-                per_request.append((time.perf_counter() - started) / len(requests) * 1e6)
+                per_request.append(round_us)
         single = []
         for tokens in requests[:200]:
             started = time.perf_counter()
@@ -134,7 +146,7 @@ def _calibrated_compute(target_s: float, layers: int) -> tuple[torch.Tensor, int
 async def _overlap(ctx: BenchContext) -> float:
     g = ctx.geometry
     pages = max(16, ctx.figure_bytes // g.bytes_per_page)
-    service, device = _service(ctx, pages, ctx.engine_class, pages)
+    service, device = bench_service(ctx, pages, ctx.engine_class, pages)
     async with service:
         backup = await service.evict(torch.arange(0, pages * g.page_size_tokens))
         alone = []
