@@ -103,7 +103,7 @@ def tokens_to_page_seq(tokens: IndexLike | Pages, name: str, upper_bound: int,
     ps = page_size_tokens
     if isinstance(tokens, Pages):
         pages = _given_pages(tokens, name, upper_bound // ps)
-        if type(pages) is range:
+        if type(pages) is not np.ndarray:
             return pages, 0
         return compact(pages if distinct(pages) else unique_in_order(pages)), 0
     form = _fast_form(tokens, upper_bound)
@@ -164,16 +164,34 @@ def paired_page_seqs(host_tokens: IndexLike | Pages, device_tokens: IndexLike | 
     return compact(pairs.host_pages), compact(pairs.device_pages), pairs.padding_tokens
 
 
-def _seq(pages: range | np.ndarray) -> PageSeq:
-    return pages if type(pages) is range else compact(pages)
+def _seq(pages: range | list[int] | np.ndarray) -> PageSeq:
+    return compact(pages) if type(pages) is np.ndarray else pages
 
 
-def _given_pages(given: Pages, name: str, bound_pages: int) -> range | np.ndarray:
-    """The validated indices of ``given``: a range when they are one, else ``int64 [n]``."""
-    form = _fast_form(given.pages, bound_pages)
+#: Up to this many pages, ``Pages`` are checked in Python: numpy costs a microsecond or more per
+#: call on arrays this small.
+_SMALL_PAGES = 16
+
+
+def _given_pages(given: Pages, name: str, bound_pages: int) -> range | list[int] | np.ndarray:
+    """The validated indices of ``given``: a ``range`` or ``list`` of distinct pages, or
+    ``int64 [n]`` (which may hold a page twice)."""
+    value = given.pages
+    form = _fast_form(value, bound_pages)
     if type(form) is range:
         return form
-    array, _ = checked_index_array(given.pages, name=f"{name}.pages", upper_bound=bound_pages,
+    if form is not None:
+        few = form.tolist() if form.size <= _SMALL_PAGES else None
+    elif type(value) is list and len(value) <= _SMALL_PAGES and all(type(p) is int
+                                                                    for p in value):
+        few = list(value)
+    else:
+        few = None
+    if few and min(few) >= 0 and max(few) < bound_pages and len(set(few)) == len(few):
+        first = few[0]
+        return range(first, first + len(few)) if few == list(range(first, first + len(few))) \
+            else few
+    array, _ = checked_index_array(value, name=f"{name}.pages", upper_bound=bound_pages,
                                    unit="pages")
     return array
 
@@ -186,8 +204,8 @@ def _paired_given_pages(host: Pages, device: Pages, host_bound_pages: int,
         raise IndexValueError(
             f"host_tokens has {len(host_pages)} pages but device_tokens has "
             f"{len(device_pages)}; pairs need the same length")
-    host_distinct = type(host_pages) is range or distinct(host_pages)
-    if host_distinct and (type(device_pages) is range or distinct(device_pages)):
+    host_distinct = type(host_pages) is not np.ndarray or distinct(host_pages)
+    if host_distinct and (type(device_pages) is not np.ndarray or distinct(device_pages)):
         return _seq(host_pages), _seq(device_pages), 0
     host_array = np.asarray(host_pages, dtype=np.int64)
     device_array = np.asarray(device_pages, dtype=np.int64)
