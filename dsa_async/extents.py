@@ -14,14 +14,14 @@ Free space is indexed so that no operation scans the free extents:
   min-heap of extent starts (lowest address first). A heap may hold stale starts (extents since
   merged or taken); they are dropped when they reach the top, and a heap is rebuilt when stale
   entries outnumber live ones, so each is paid for once. Disjoint extents of distinct lengths
-  sum to at most the capacity, so there are at most ``sqrt(2 * capacity_pages)`` lengths (885
-  for 391,000 pages) and the sorted list of them stays short;
+  sum to at most the capacity, so there are fewer than ``sqrt(2 * capacity_pages)`` lengths
+  (fewer than 885 for 391,000 pages) and the sorted list of them stays short;
 * per page, a free map (one byte per page) answers "is this page free?" for the pool's
   ownership checks; it is updated with one slice assignment per run.
 
-A best-fit allocation or a free is O(log holes): a bisect over the lengths, heap operations and
-dictionary look-ups. Nothing is per page except the free map's slice update, which is one
-``memcpy`` of the run's length. Not thread-safe: one owner (the event loop); nothing blocks.
+A best-fit allocation or a free is O(log holes): dictionary look-ups, heap operations, a bisect
+over the lengths and at most one insert into or delete from that short list. Nothing is per
+page except the free map's slice update, one ``memcpy`` of the run's length. Not thread-safe: one owner (the event loop); nothing blocks.
 """
 
 from __future__ import annotations
