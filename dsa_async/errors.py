@@ -67,3 +67,10 @@ class TransferFailedError(DsaAsyncError, RuntimeError):
 
 class LedgerError(DsaAsyncError, RuntimeError):
     """The machine-wide reservation ledger file is corrupt, foreign or unsafe to use."""
+
+
+# --- internal invariants ----------------------------------------------------------------------
+
+
+class LivenessViolation(DsaAsyncError, AssertionError):
+    """A queued request waits on nothing that ends by itself (``Scheduler.check_liveness``)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import itertools
+import logging
 import math
 import threading
 import time
@@ -19,7 +20,7 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .errors import ServiceClosedError
+from .errors import ServiceClosedError, TransferFailedError
 from .host_pool import HostPages
 from .kinds import D2H, H2D, Direction, Timeliness
 from .page_seq import PageSeq
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     from .scheduler import Scheduler
     from .transfer.batch import BatchHandle
 
+log = logging.getLogger("dsa_async.service")
 _EMPTY = range(0)
 _START_LOCK = threading.Lock()  # guards creating start waiters and timeliness marks
 _seq = itertools.count()
@@ -73,12 +75,12 @@ class Request:
         "seq", "direction", "host_pages", "device_pages", "num_pages", "host_handle", "owns_host",
         "after", "priority", "deadline", "submitted_at", "padding_tokens", "nbytes",
         "deps", "handle", "batch_index", "state", "cancel_requested", "future", "started",
-        "_start_waiter", "layer_seen", "waiters",
+        "_start_waiter", "layer_seen", "waiters", "loop_waits", "observed", "dropped",
         "__weakref__",
     )
 
     def __init__(self, direction: Direction, device_pages: PageSeq, host_pages: PageSeq | None,
-                 owns_host: bool, after: object, priority: int, deadline: float,
+                 owns_host: bool, after: tuple[object, ...], priority: int, deadline: float,
                  padding_tokens: int, nbytes: int, future: asyncio.Future) -> None:
         self.seq = next(_seq)
         self.direction = direction
@@ -87,7 +89,10 @@ class Request:
         self.host_pages = host_pages  # None until allocated (service-chosen host pages)
         self.host_handle: HostPages | None = None  # set when the service allocates host pages
         self.owns_host = owns_host
-        self.after = after
+        self.after = after  #: engine producers (normalized, captured on the submitting thread)
+        self.loop_waits = 0  #: loop producers (asyncio futures/events) not finished yet
+        self.observed = False  #: the caller looked at the outcome (awaited, result(), ...)
+        self.dropped = False  #: its Transfer was collected before it ended: nobody can look
         self.priority = priority
         self.deadline = deadline
         self.submitted_at = time.perf_counter()
@@ -196,18 +201,36 @@ class Transfer:
 
     def add_done_callback(self, fn: Callable[[Transfer], None]) -> None:
         """Call ``fn(self)`` on the loop when the request ends (done, failed or cancelled)."""
+        self._request.observed = True  # the callback sees the outcome
         self._request.future.add_done_callback(lambda _f: fn(self))
 
     def exception(self) -> BaseException | None:
         """The error of a finished request, ``None`` if it succeeded (as ``Future.exception``)."""
+        self._request.observed = True
         return self._request.future.exception()
 
     def result(self) -> TransferResult:
         """The result of a finished request (raises as ``Future.result`` does)."""
+        self._request.observed = True
         return self._request.future.result()
+
+    def __del__(self) -> None:
+        # A failed transfer nobody looked at is reported once, by the service's logger (the
+        # service's own futures never reach asyncio's "exception was never retrieved").
+        request = self._request
+        future = request.future
+        if request.observed:
+            return
+        if not future.done():
+            request.dropped = True  # reported when it ends, if it fails (Request.report_failure)
+        elif not future.cancelled():
+            error = future.exception()
+            if error is not None:
+                report_unobserved(request, error)
 
     def __await__(self) -> Generator[object, None, TransferResult]:
         request = self._request
+        request.observed = True
         future = request.future
         prefetch = request.direction is H2D
         if not future.done():
@@ -241,9 +264,15 @@ class Transfer:
             self._classify(layer, 0.0)
             return
         if request.future.done() and request.handle is None:
+            request.observed = True
             request.future.result()  # raises: failed or cancelled before its copy started
         waited_from = time.perf_counter()
-        await asyncio.shield(self._scheduler.layer_future(request, layer))
+        try:
+            # shield: cancelling this task must not cancel the service's layer future
+            await asyncio.shield(self._scheduler.layer_future(request, layer))
+        except TransferFailedError:
+            request.observed = True
+            raise
         self._classify(layer, time.perf_counter() - waited_from)
 
     def wait_layer(self, layer: int, timeout_s: float | None = None) -> None:
@@ -251,22 +280,48 @@ class Transfer:
 
         CPU backend: blocks the calling thread until the layer is copied. CUDA backend: blocks
         only until the layer's copy is enqueued, then makes the caller's current stream wait on
-        the layer's event (no CPU block on the copy). Never call it on the event-loop thread.
+        the layer's event (no CPU block on the copy). ``timeout_s`` bounds the whole wait
+        (until the copy is submitted, and then until the layer is copied or enqueued): past
+        it, ``TimeoutError``, and the transfer keeps running. Never call it on the event-loop
+        thread.
         """
         request = self._request
         self._check_layer(layer)
+        if timeout_s is not None and not (isinstance(timeout_s, (int, float))
+                                          and not isinstance(timeout_s, bool)
+                                          and timeout_s >= 0):
+            raise ValueError(f"timeout_s must be a number of seconds >= 0 or None, got "
+                             f"{timeout_s!r}")
         waited_from = time.perf_counter()
-        if not request.wait_started(timeout_s):
-            raise TimeoutError(f"prefetch not started within {timeout_s} s")
+        started = request.started
+        if not started and not request.wait_started(timeout_s):
+            raise TimeoutError(f"layer {layer}: the prefetch's copy did not start within "
+                               f"{timeout_s} s (it stays queued)")
         handle = request.handle
         if handle is None:
+            request.observed = True
             raise ServiceClosedError("the prefetch ended before its copy started "
                                      "(cancelled, failed or the service closed)")
+        start_wait_s = 0.0 if started else time.perf_counter() - waited_from
         if layer < handle.layers_ready:  # already copied (on CUDA: its event completed)
-            self._classify(layer, 0.0)
+            self._classify(layer, start_wait_s)
             return
-        self._scheduler.engine_wait_layer(handle, layer)
-        self._classify(layer, time.perf_counter() - waited_from)
+        remaining_s = None if timeout_s is None else max(0.0, timeout_s - start_wait_s)
+        # CPU: this thread waited if it blocked at all, for the start or the copy. CUDA: only
+        # the consumer's stream waiting counts, and the device decides (not this thread).
+        host_wait_s = 0.0 if self._scheduler.engine.waits_on_device else start_wait_s
+
+        def classify(late: bool, waited_s: float) -> None:
+            self._classify(layer, host_wait_s + waited_s if late else host_wait_s)
+
+        try:
+            self._scheduler.engine_wait_layer(handle, layer, remaining_s, classify)
+        except TimeoutError:
+            raise TimeoutError(f"layer {layer} was not ready within {timeout_s} s (the "
+                               f"prefetch keeps running)") from None
+        except TransferFailedError:
+            request.observed = True
+            raise
 
     def _check_layer(self, layer: int) -> None:
         if self._request.direction is not H2D:
@@ -312,6 +367,15 @@ class Transfer:
         r = self._request
         return (f"Transfer({r.direction.value}, pages={r.num_pages}, state={r.state.value}, "
                 f"done={r.future.done()})")
+
+
+def report_unobserved(request: Request, error: BaseException) -> None:
+    """Log a failure that no caller will see (its Transfer is gone or was never looked at)."""
+    try:
+        log.error("%s request %d (%d pages) failed and nobody looked at its Transfer: %r",
+                  request.direction.value, request.seq, request.num_pages, error, exc_info=error)
+    except Exception:  # noqa: BLE001 - at interpreter exit logging may be gone
+        pass
 
 
 NO_DEADLINE = math.inf

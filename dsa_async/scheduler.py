@@ -12,6 +12,7 @@ host pages it allocated (unless it succeeded), in-flight bytes.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import math
@@ -19,13 +20,16 @@ import time
 from collections.abc import Callable
 
 from .config import ServiceConfig
-from .errors import HostPoolExhausted, TransferFailedError, UnknownHostPagesError
+from .errors import (HostPoolExhausted, ServiceClosedError, TransferFailedError,
+                     UnknownHostPagesError)
 from .hazards import HazardTable
 from .host_pool import HostPages, HostPool
 from .kinds import CANCELLED, D2H, DONE, FAILED, H2D, Direction, Outcome, Timeliness
+from .liveness import check_liveness
 from .metrics import ServiceMetrics
 from .page_seq import concat_pages
-from .request import FINISHED, QUEUED, SUBMITTED, Request, TransferResult
+from .producers import producer_error
+from .request import FINISHED, QUEUED, SUBMITTED, Request, TransferResult, report_unobserved
 from .transfer.base import TransferEngine
 from .transfer.batch import BatchHandle, CopyBatch, Dependency
 
@@ -60,6 +64,8 @@ class Scheduler:
         self._batches: dict[BatchHandle, list[Request]] = {}
         self._host_wait_since: dict[Request, float] = {}
         self._pending_layers: dict[Request, list[tuple[int, asyncio.Future]]] = {}
+        #: request -> (future, callback, made by the service) for its unfinished loop producers
+        self._loop_watches: dict[Request, list] = {}
         self._orphans: list = []  # host pages to free once the copies still reading them end
         self._orphan_ids: set[int] = set()  # their allocation ids: not the caller's to release
         self._pressure_tasks: set[asyncio.Task] = set()
@@ -76,19 +82,38 @@ class Scheduler:
     def queued_requests(self) -> int:
         return len(self.queues[D2H]) + len(self.queues[H2D])
 
-    def accept(self, request: Request) -> None:
-        """Queue an admitted request (validated by the service). Does not block."""
+    def accept(self, request: Request, loop_producers: tuple[object, ...] = ()) -> None:
+        """Queue an admitted request (validated by the service). Does not block.
+
+        ``loop_producers`` (asyncio futures and events, see producers.py) keep it queued until
+        each has finished; one that fails or is cancelled fails the request."""
         self.hazards.admit(request)  # also marks its host pages in use until it ends
         queue = self.queues[request.direction]
         if queue and request.goes_before(queue[-1]):
             self._queue_sorted[request.direction] = False
         queue.append(request)
         self._idle.clear()
+        if loop_producers:
+            self._watch_loop_producers(request, loop_producers)  # may end it (a failed one)
         self.schedule_flush()  # the flush also publishes the queue depth
 
     def schedule_flush(self) -> None:
         if self._flush_handle is None:
             self._flush_handle = self.loop.call_soon(self._flush)
+
+    @property
+    def flush_pending(self) -> bool:
+        """A pass over the queues is scheduled (it runs at the loop's next turn)."""
+        return self._flush_handle is not None
+
+    def waits_for_host_pages(self, request: Request) -> bool:
+        """``request`` waits for free host pages and its deadline timer is armed."""
+        return request in self._host_wait_since and self._expiry_handle is not None
+
+    def check_liveness(self) -> None:
+        """Raise ``LivenessViolation`` if a queued request waits on nothing that ends by
+        itself (see liveness.py). Reads state only; loop thread."""
+        check_liveness(self)
 
     # --- batching -------------------------------------------------------------------------
 
@@ -127,7 +152,7 @@ class Scheduler:
                 fresh = request.host_pages is None
                 if fresh:
                     fresh_left -= request.num_pages
-                if full:
+                if full or request.loop_waits:
                     kept.append(request)
                     continue
                 if request.deps:
@@ -159,15 +184,19 @@ class Scheduler:
 
     @staticmethod
     def _failed_data_dependency(request: Request) -> BaseException | None:
+        """The error of a finished request this one needs (its backup, or its ``after=``)."""
         for dep, needs_data in request.deps:
             if needs_data and dep.state is FINISHED and (
                 dep.future.cancelled() or dep.future.exception() is not None
             ):
-                return TransferFailedError(
-                    f"the backup this prefetch reads (request {dep.seq}) "
-                    f"{'was cancelled' if dep.future.cancelled() else 'failed'} before its "
-                    f"bytes reached the host pages"
-                )
+                error = TransferFailedError(
+                    f"request {dep.seq} ({dep.direction.value}), which this "
+                    f"{request.direction.value} of {request.num_pages} pages needs (the backup "
+                    f"whose host pages it reads, or a Transfer named in after=), "
+                    f"{'was cancelled' if dep.future.cancelled() else 'failed'}; it did not run")
+                if not dep.future.cancelled():
+                    error.__cause__ = dep.future.exception()
+                return error
         return None
 
     def _allocate_host(self, request: Request, ahead_pages: int) -> bool:
@@ -185,6 +214,21 @@ class Scheduler:
         return True
 
     def _submit(self, direction: Direction, requests: list[Request]) -> None:
+        """Hand ``requests`` to the engine: one batch for all of them, except that a request
+        whose waits can fail (a producer the engine may fail to wait for, or a running request
+        it needs) gets a batch of its own, so that it fails alone."""
+        solo_producers = self.engine.producer_waits_can_fail
+        shared: list[Request] = []
+        for request in requests:
+            if (request.after and solo_producers) or any(
+                    needs_data and dep.state is SUBMITTED for dep, needs_data in request.deps):
+                self._submit_batch(direction, [request])
+            else:
+                shared.append(request)
+        if shared:
+            self._submit_batch(direction, shared)
+
+    def _submit_batch(self, direction: Direction, requests: list[Request]) -> None:
         deps: dict[BatchHandle, bool] = {}
         after: list[object] = []
         offset = 0
@@ -194,8 +238,8 @@ class Scheduler:
             for dep, needs_data in request.deps:
                 if dep.state is SUBMITTED and dep.handle is not None:
                     deps[dep.handle] = deps.get(dep.handle, False) or needs_data
-            if request.after is not None:
-                after.append(request.after)
+            if request.after:
+                after.extend(request.after)
         batch = CopyBatch(
             direction,
             concat_pages([r.host_pages for r in requests], offset),
@@ -294,8 +338,15 @@ class Scheduler:
             future.set_result(result)
         elif outcome is FAILED:
             future.set_exception(error)
+            # The service's own future: whether the caller looked is tracked by its Transfer,
+            # never by asyncio's "exception was never retrieved" at collection time.
+            future.exception()
+            if request.dropped:
+                report_unobserved(request, error)
         else:
             future.cancel()
+        if request.loop_waits:
+            self._stop_watching_loop_producers(request)
         if request.waiters:
             for waiter in request.waiters:
                 if not waiter.done():
@@ -305,7 +356,11 @@ class Scheduler:
         if self._pending_layers:
             for _layer, layer_future in self._pending_layers.pop(request, ()):
                 if not layer_future.done():
-                    layer_future.set_exception(error) if error else layer_future.cancel()
+                    if error is None:
+                        layer_future.cancel()
+                    else:
+                        layer_future.set_exception(error)
+                        layer_future.exception()  # its awaiter may have been cancelled
         if check_idle:
             self._check_idle()
         # Whatever waited for this request (a dependency, its pages) may go now; also when it
@@ -411,14 +466,69 @@ class Scheduler:
             if handle.error is not None and handle.layers_ready <= layer:
                 future.set_exception(TransferFailedError(
                     f"prefetch failed before layer {layer} was ready: {handle.error!r}"))
+                future.exception()  # its awaiter may have been cancelled
             else:
                 future.set_result(None)
 
         if not handle.on_layer_ready(layer, resolve):
             resolve()
 
-    def engine_wait_layer(self, handle: BatchHandle, layer: int) -> None:
-        self.engine.wait_layer(handle, layer)
+    def engine_wait_layer(self, handle: BatchHandle, layer: int, timeout_s: float | None,
+                          classify: Callable[[bool, float], None]) -> None:
+        self.engine.wait_layer(handle, layer, timeout_s, classify)
+
+    # --- loop producers -------------------------------------------------------------------
+
+    def _watch_loop_producers(self, request: Request, producers: tuple[object, ...]) -> None:
+        watches = []
+        for producer in producers:
+            owned = isinstance(producer, asyncio.Event)
+            if owned:
+                if producer.is_set():
+                    continue
+                producer = asyncio.ensure_future(producer.wait())  # noqa: PLW2901 - its task
+            elif producer.done():
+                failure = producer_error(producer)
+                if failure is not None:
+                    self._fail_for_producer(request, producer, failure)
+                    self._stop_watching(watches)
+                    return
+                continue
+            callback = functools.partial(self._loop_producer_done, request)
+            producer.add_done_callback(callback)
+            watches.append((producer, callback, owned))
+        if watches:
+            request.loop_waits = len(watches)
+            self._loop_watches[request] = watches
+
+    def _loop_producer_done(self, request: Request, producer: asyncio.Future) -> None:
+        if request.state is not QUEUED:
+            return
+        request.loop_waits -= 1
+        failure = producer_error(producer)
+        if failure is not None:
+            self._fail_for_producer(request, producer, failure)
+        elif not request.loop_waits:
+            self.schedule_flush()
+
+    def _fail_for_producer(self, request: Request, producer: object,
+                           failure: BaseException) -> None:
+        error = TransferFailedError(
+            f"{request.direction.value} of {request.num_pages} pages did not run: its producer "
+            f"{producer!r} {'was cancelled' if isinstance(failure, asyncio.CancelledError) else 'failed'}")
+        error.__cause__ = failure
+        self.finish(request, FAILED, error=error)
+
+    def _stop_watching_loop_producers(self, request: Request) -> None:
+        request.loop_waits = 0
+        self._stop_watching(self._loop_watches.pop(request, ()))
+
+    @staticmethod
+    def _stop_watching(watches) -> None:
+        for producer, callback, owned in watches:
+            producer.remove_done_callback(callback)
+            if owned:  # the task this service made to wait for an asyncio.Event
+                producer.cancel()
 
     def record_layers(self, timeliness: Timeliness, layers: int, waited_s: float | None = None
                       ) -> None:
@@ -461,6 +571,22 @@ class Scheduler:
             return False
         return True
 
+    def abandon_unfinished(self) -> None:
+        """After the engine stopped: end every request it never reported (failed) and any
+        still queued (cancelled), returning what they held. Loop thread."""
+        for handle, requests in list(self._batches.items()):
+            del self._batches[handle]
+            direction = handle.batch.direction
+            for request in requests:
+                self.inflight_bytes[direction] -= request.nbytes
+                self.inflight_requests -= 1
+                self.finish(request, FAILED, error=ServiceClosedError(
+                    f"the service closed before the engine reported this {direction.value} "
+                    f"copy of {request.num_pages} pages (the engine failed or hung)"))
+        for direction in Direction:
+            for request in list(self.queues[direction]):
+                self.finish(request, CANCELLED)
+
     def detach(self) -> None:
         """After close: stop timers and drop the pool and engine (and with them the arenas)."""
         for handle in (self._publish_handle, self._expiry_handle, self._flush_handle):
@@ -484,6 +610,8 @@ class Scheduler:
                 log.error("close(): %d requests still wait for a producer or dependency after "
                           "%.3g s; abandoning them", self.inflight_requests, 2 * timeout_s)
                 self.engine.abandon_waits()
-                await self._idle.wait()
+                if not await self._idle_within(timeout_s):
+                    log.error("close(): the engine did not report %d copies within %.3g s "
+                              "more; closing without them", self.inflight_requests, timeout_s)
         for task in list(self._pressure_tasks):
             task.cancel()

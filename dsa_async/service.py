@@ -18,6 +18,7 @@ import asyncio
 import concurrent.futures
 import enum
 import functools
+import logging
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -36,11 +37,15 @@ from .loop_lag import EventLoopLagMonitor
 from .metrics import BudgetFigures, ServiceMetrics
 from .page_seq import PageSeq, paired_page_seqs, tokens_to_page_seq
 from .plan import reserve_host_pools
+from .producers import NO_PRODUCERS, parse_after
 from .request import NO_DEADLINE, Request, Transfer, TransferResult
 from .scheduler import HostPressureCallback, Scheduler
 from .transfer.base import FaultHook, TransferEngine, resolve_backend
 from .transfer.buffers import DeviceBuffers, bind_pool
 from .transfer.handoff import LoopHandoff
+
+
+log = logging.getLogger(__name__)
 
 
 class ServiceState(enum.Enum):
@@ -67,13 +72,14 @@ class ServiceStatistics:
 
 
 _RUNNING = ServiceState.RUNNING  # the request paths compare it per call (see kinds.py)
+_NOT_CAPTURED = object()  # no producer was captured on another thread for this request
 
 
-def _make_engine(backend: Backend, *args, **kwargs) -> TransferEngine:
+def _make_engine(backend: Backend, config: ServiceConfig, *args, **kwargs) -> TransferEngine:
     if backend is Backend.CUDA:
         from .transfer.cuda import CudaEngine
 
-        return CudaEngine(*args, **kwargs)
+        return CudaEngine(*args, staging_bytes=config.device_staging_bytes, **kwargs)
     from .transfer.cpu import CpuEngine
 
     return CpuEngine(*args, **kwargs)
@@ -122,6 +128,8 @@ class OffloadService:
         self._device_token_bound = self._host_token_bound = 0  # token slots on each side
         self._page_size_tokens = config.page_size_tokens
         self.plan = None
+        #: a producer captured on a submitting thread, for the request the loop runs now
+        self._captured: object = _NOT_CAPTURED
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -162,7 +170,7 @@ class OffloadService:
         self.metrics.observe_pool_allocation(self._pool.startup_s)
         self._loop = loop
         handoff = LoopHandoff(loop)
-        factory = self._engine_factory or functools.partial(_make_engine, self.backend)
+        factory = self._engine_factory or functools.partial(_make_engine, self.backend, config)
         # Off the loop: the CUDA engine page-locks the arenas here, which takes a while.
         self._engine = await asyncio.to_thread(
             factory, bindings, handoff, self._on_batch_done, fault_hook=self._fault_hook)
@@ -206,20 +214,30 @@ class OffloadService:
                 await self._scheduler.drain(self.config.drain_timeout_s)
                 self._scheduler.publish_state(now=True)  # the drained state, for a last scrape
         finally:
-            await self._release_resources()
-            self._state = ServiceState.CLOSED
-            self._closed.set()
+            try:
+                await self._release_resources()
+            finally:  # CLOSED whatever happened, so a second close() never waits forever
+                self._state = ServiceState.CLOSED
+                self._closed.set()
 
     async def _release_resources(self) -> None:
+        """Return everything that can be returned, each step whatever the others did: an
+        engine that fails to close (e.g. after a sticky device error) is logged, and the pool
+        and the ledger reservation are still returned."""
         if self._lag_monitor is not None:
             await self._lag_monitor.stop()
             self._lag_monitor = None
         if self._engine is not None:
             engine, self._engine = self._engine, None
-            await asyncio.to_thread(engine.close)
+            try:
+                await asyncio.to_thread(engine.close)
+            except Exception:  # noqa: BLE001 - logged; the rest must still be returned
+                log.exception("close(): the %s engine failed to close; returning the host "
+                              "pool and the ledger reservation anyway", engine.backend.value)
             engine.handoff.drain_now()  # completions posted while closing
             engine.handoff.closed = True
         if self._scheduler is not None:
+            self._scheduler.abandon_unfinished()  # what the engine never reported ends now
             self._scheduler.detach()  # Transfers the caller keeps must not keep the arenas alive
         self._pool = None  # the arenas go with the last reference (also after a failed start)
         if self._reservation is not None:
@@ -266,6 +284,11 @@ class OffloadService:
         if host_tokens is None:
             device_pages, padding = tokens_to_page_seq(
                 device_tokens, "device_tokens", self._device_token_bound, self._page_size_tokens)
+            if len(device_pages) > self._pool.capacity_pages:
+                raise HostPoolExhausted(
+                    f"evict() of {len(device_pages)} pages can never fit: the host pool holds "
+                    f"{self._pool.capacity_pages} pages in all; evict at most that many per "
+                    f"request (split it), or raise ServiceConfig.host_pool")
             host_pages, owns = None, True
         else:
             host_pages, device_pages, padding = paired_page_seqs(
@@ -330,27 +353,27 @@ class OffloadService:
                 f"{scheduler.queued_requests} requests are queued, the bound "
                 f"(ServiceConfig.max_queued_requests) is {self.config.max_queued_requests}; "
                 f"await earlier transfers before submitting more, or raise the bound")
-        if after is None:  # evictions wait for the caller's current stream (CUDA)
-            producer = self._engine.capture_producer() if direction is D2H else None
-        else:
-            producer = self._producer(after)
+        producers = NO_PRODUCERS if after is None else parse_after(
+            after, engine=self._engine, scheduler=scheduler, loop=self._loop)
+        # Every copy also waits for the submitting thread's work so far (CUDA: its current
+        # stream), captured here, on that thread, before any hand-off to the loop.
+        captured = self._captured
+        if captured is _NOT_CAPTURED:
+            captured = self._engine.capture_producer()
+        engine_producers = producers.engine if captured is None else (captured, *producers.engine)
         future = self._loop.create_future()
-        request = Request(direction, device_pages, host_pages, owns_host, producer, priority,
-                          deadline, padding, len(device_pages) * scheduler.bytes_per_page, future)
+        request = Request(direction, device_pages, host_pages, owns_host, engine_producers,
+                          priority, deadline, padding,
+                          len(device_pages) * scheduler.bytes_per_page, future)
         transfer = Transfer(request, scheduler)
         if request.num_pages == 0:  # an empty request is a no-op, not an error
             scheduler.finish(request, DONE, result=TransferResult(
                 direction, 0, 0, padding, 0.0, None))
             return transfer
-        if isinstance(after, Transfer):
-            request.deps = (*request.deps, (after._request, False))  # after that request's copy
-        scheduler.accept(request)
+        if producers.deps:  # after those requests' copies, and only if they succeed
+            request.deps = tuple((dep, True) for dep in producers.deps)
+        scheduler.accept(request, producers.loop)
         return transfer
-
-    def _producer(self, after: object) -> object | None:
-        if isinstance(after, Transfer):
-            return None  # ordered through the scheduler, as a dependency
-        return self._engine.normalize_after(after)
 
     def release(self, host: HostPages) -> None:
         """Return host pages to the pool now. Raises ``PagesInFlightError`` (changing nothing)
@@ -393,13 +416,26 @@ class OffloadService:
         if self._loop is None:
             raise ServiceClosedError("the service has not started")
         future: concurrent.futures.Future = concurrent.futures.Future()
+        # A request's default producer is the calling thread's work (CUDA: its current
+        # stream): capture it here, not on the loop thread that runs the method.
+        engine = self._engine
+        captured = (engine.capture_producer()
+                    if engine is not None and getattr(method, "__self__", None) is self
+                    and getattr(method, "__func__", None) in _SUBMIT_METHODS else _NOT_CAPTURED)
 
         def run() -> None:
             if future.set_running_or_notify_cancel():
+                self._captured = captured
                 try:
                     future.set_result(method(*args, **kwargs))
                 except BaseException as exc:  # noqa: BLE001 - handed to the caller
                     future.set_exception(exc)
+                finally:
+                    self._captured = _NOT_CAPTURED
 
         self._loop.call_soon_threadsafe(run)
         return future
+
+
+#: The request methods whose default producer ``call_threadsafe`` captures on the caller's thread.
+_SUBMIT_METHODS = (OffloadService.evict, OffloadService.prefetch)

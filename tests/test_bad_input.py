@@ -108,6 +108,13 @@ async def held_by_a_copy(service, ctx):
     return host
 
 
+class _HasWait:
+    """Has a wait() but is not a producer of any backend (an asyncio-style coroutine wait)."""
+
+    async def wait(self) -> None:
+        return None
+
+
 def _config(**kwargs):
     kwargs.setdefault("backend", "cpu")
     return ServiceConfig(geometries=(dsa_indexer(num_layers=3),), **kwargs)
@@ -190,7 +197,14 @@ CASES = [
     Case("deadline-inf", lambda s, h: s.prefetch(h, tokens([0, 1]), deadline_s=float("inf")),
          IndexValueError, ("inf", "finite number of seconds"), setup=allocated),
     Case("after-not-a-producer", lambda s, _: s.evict(tokens([0]), after="kernel"), TypeError,
-         ("after='kernel'", "wait() method")),
+         ("after='kernel'", "threading.Event", "concurrent.futures.Future", "Transfer",
+          "asyncio.Event", "list/tuple")),
+    Case("after-an-object-with-wait", lambda s, _: s.evict(tokens([0]), after=_HasWait()),
+         TypeError, ("_HasWait", "threading.Event")),
+    Case("after-in-a-list", lambda s, _: s.evict(tokens([0]), after=[threading.Event(), 3]),
+         TypeError, ("after=3", "list/tuple")),
+    Case("after-nested", lambda s, _: s.evict(tokens([0]), after=[[threading.Event()]]),
+         TypeError, ("flat list/tuple", "flatten")),
     # configuration
     Case("config-backend", lambda ctx: _config(backend="tpu"), ConfigError,
          ("backend='tpu'", "use one of", "'cpu'"), service=False),

@@ -14,7 +14,8 @@ import threading
 import pytest
 from service_fixtures import make_service, tokens
 
-from dsa_async.errors import HostPoolExhausted, TransferFailedError, UnknownHostPagesError
+from dsa_async.errors import (HostPoolExhausted, LivenessViolation, TransferFailedError,
+                              UnknownHostPagesError)
 from dsa_async.transfer.handoff import LoopHandoff
 
 BOUND_S = 10
@@ -37,7 +38,7 @@ async def test_a_request_held_by_one_that_fails_in_the_same_flush_still_goes(tmp
         assert y.cancel()
         with pytest.raises(HostPoolExhausted):
             await x
-        with pytest.raises(TransferFailedError, match="was cancelled"):
+        with pytest.raises(TransferFailedError, match="did not run"):
             await b
         result = await a  # hung here: A stayed queued with nothing in flight
         assert result.pages == 1
@@ -120,3 +121,36 @@ async def test_a_raising_completion_callback_does_not_strand_the_ones_after_it()
         assert [str(e) for e in reported] == ["broken callback"]
     finally:
         loop.set_exception_handler(None)
+
+
+async def test_an_eviction_larger_than_the_pool_is_refused_at_submit_without_pressure(tmp_path):
+    asked = []
+    service, _ = make_service(tmp_path, host_pages=4, device_pages=8)
+    service.on_host_pressure = asked.append
+    async with service, asyncio.timeout(BOUND_S):
+        start = service.statistics()
+        with pytest.raises(HostPoolExhausted) as refused:
+            service.evict(tokens([0, 1, 2, 3, 4]))
+        for fragment in ("5 pages", "holds 4 pages", "split it", "ServiceConfig.host_pool"):
+            assert fragment in str(refused.value)
+        assert asked == [] and service.statistics() == start
+        whole = await service.evict(tokens([0, 1, 2, 3]))  # exactly the capacity still goes
+        service.release(whole.host_pages)
+
+
+async def test_the_liveness_check_names_a_queued_request_that_nothing_holds(tmp_path):
+    service, _ = make_service(tmp_path, host_pages=4)
+    async with service, asyncio.timeout(BOUND_S):
+        producer = asyncio.get_running_loop().create_future()
+        waiting = service.evict(tokens([1]), after=producer)
+        await asyncio.sleep(0)
+        scheduler = service._scheduler
+        scheduler.check_liveness()  # held by its unfinished producer
+        request = waiting._request
+        request.loop_waits = 0  # as if the producer's wake-up were lost
+        with pytest.raises(LivenessViolation, match=f"request {request.seq} "):
+            scheduler.check_liveness()
+        request.loop_waits = 1
+        producer.set_result(None)
+        await waiting
+        service.release(waiting.result().host_pages)

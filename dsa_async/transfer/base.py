@@ -61,22 +61,32 @@ class TransferEngine(abc.ABC):
         timestamps), ``waited_s`` is how long. Never call it on the event-loop thread.
         """
 
-    def capture_producer(self) -> object | None:
-        """What a backup must wait for when the caller names no producer (loop thread).
+    #: The engine producers ``normalize_after`` accepts, for error messages.
+    producer_kinds: str = ""
+    #: Whether waiting for an engine producer can fail a batch (a failed future, or a wait
+    #: abandoned at close). The scheduler then gives each request with producers a batch of
+    #: its own, so it fails alone.
+    producer_waits_can_fail: bool = False
+    #: Whether ``wait_layer`` makes the consumer's stream wait (GPU-side) rather than block the
+    #: thread: then whether a layer was late is the device's verdict alone.
+    waits_on_device: bool = False
 
-        CPU: nothing (the caller's writes finished before it called). CUDA: an event recorded
-        on the caller's current stream, so the backup follows the kernels that wrote the pages.
+    def capture_producer(self) -> object | None:
+        """What every copy waits for besides ``after=``: the submitting thread's work so far.
+
+        Call it on the thread that submits, before any hand-off to the loop. CPU: nothing (the
+        caller's writes finished before it called). CUDA: an event recorded on the calling
+        thread's current stream, so a backup follows the kernels that wrote its pages and a
+        load follows the kernels still reading the pages it overwrites.
         """
         return None
 
+    @abc.abstractmethod
     def normalize_after(self, after: object) -> object:
-        """Check a caller-given producer; CPU accepts objects with a blocking ``wait()``."""
-        if not callable(getattr(after, "wait", None)):
-            raise TypeError(
-                f"after={after!r} is not a producer this backend can wait for; on the CPU "
-                f"backend pass an object with a wait() method (e.g. threading.Event) or a Transfer"
-            )
-        return after
+        """Check one caller-given engine producer and return what the engine waits for.
+
+        Raises ``TypeError`` for anything but ``producer_kinds``. On the submitting thread.
+        """
 
     def abandon_waits(self) -> None:
         """Make batches still blocked on a dependency or a producer fail instead of waiting

@@ -8,9 +8,11 @@ compute in other threads, as on a GPU.
 
 from __future__ import annotations
 
+import concurrent.futures
 import queue
 import threading
 import time
+from collections.abc import Callable
 
 from ..errors import ServiceClosedError, TransferFailedError
 from ..kinds import Backend, Direction
@@ -23,27 +25,22 @@ from .copyplan import PagePlan, Staging, copy_layers_cpu
 WAIT_POLL_S = 0.1
 
 
-class _Waitable:
-    """Adapts a producer's ``wait()`` (which may take no timeout) to ``wait(timeout)``."""
+class _FutureDone:
+    """``wait(timeout)`` on a ``concurrent.futures.Future``: true once it finished."""
 
-    def __init__(self, producer) -> None:
-        self._producer = producer
+    __slots__ = ("future",)
+
+    def __init__(self, future: concurrent.futures.Future) -> None:
+        self.future = future
 
     def wait(self, timeout_s: float) -> bool:
-        try:
-            return bool(self._producer.wait(timeout_s)) or _is_set(self._producer)
-        except TypeError:  # wait() without a timeout: block, as the caller asked
-            self._producer.wait()
-            return True
-
-
-def _is_set(producer) -> bool:
-    is_set = getattr(producer, "is_set", None)
-    return bool(is_set()) if callable(is_set) else False
+        return bool(concurrent.futures.wait((self.future,), timeout_s).done)
 
 
 class CpuEngine(TransferEngine):
     backend = Backend.CPU
+    producer_kinds = "threading.Event, concurrent.futures.Future"
+    producer_waits_can_fail = True
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -62,8 +59,17 @@ class CpuEngine(TransferEngine):
         self._queues[batch.direction].put(handle)
         return handle
 
-    def wait_layer(self, handle: BatchHandle, layer: int) -> None:
-        handle.wait_ready(layer)
+    def normalize_after(self, after: object) -> object:
+        if isinstance(after, (threading.Event, concurrent.futures.Future)):
+            return after
+        raise TypeError(f"after={after!r}: the CPU backend waits for {self.producer_kinds}")
+
+    def wait_layer(self, handle: BatchHandle, layer: int, timeout_s: float | None,
+                   classify: Callable[[bool, float], None]) -> None:
+        late = handle.layers_ready <= layer
+        waited_from = time.perf_counter()
+        handle.wait_ready(layer, timeout_s)
+        classify(late, time.perf_counter() - waited_from if late else 0.0)
 
     def close(self) -> None:
         for q in self._queues.values():
@@ -108,7 +114,17 @@ class CpuEngine(TransferEngine):
                 ) from dep.handle.error
         for producer in batch.after:
             # the caller's producer must finish writing the pages first
-            self._wait_for(_Waitable(producer), f"its producer {producer!r}")
+            if isinstance(producer, concurrent.futures.Future):
+                self._wait_for(_FutureDone(producer), f"its producer {producer!r}")
+                if producer.cancelled():
+                    raise TransferFailedError(
+                        f"its producer {producer!r} was cancelled; the copy did not run")
+                if producer.exception() is not None:
+                    raise TransferFailedError(
+                        f"its producer failed with {producer.exception()!r}; the copy did not "
+                        f"run") from producer.exception()
+            else:
+                self._wait_for(producer, f"its producer {producer!r}")
 
     def _copy(self, handle: BatchHandle, direction: Direction, staging: Staging) -> list:
         batch = handle.batch

@@ -157,6 +157,7 @@ class CudaEngine(TransferEngine):
     producer_kinds = "torch.cuda.Event, torch.cuda.Stream"
     #: A producer is waited for on the GPU (``stream.wait_event``): that wait cannot fail alone.
     producer_waits_can_fail = False
+    waits_on_device = True
     #: Default bytes of device staging per direction.
     staging_bytes = DEFAULT_STAGING_BYTES
     #: Largest single cudaHostRegister call.

@@ -6,6 +6,8 @@ hazards, batching, metrics) for ``dsa-async bench``; never use it to serve.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ..kinds import Backend
 from .base import TransferEngine
 from .batch import BatchHandle, CopyBatch
@@ -19,8 +21,13 @@ class NoopEngine(TransferEngine):
         self._report(handle, handle.finish(None, 0.0))
         return handle
 
-    def wait_layer(self, handle: BatchHandle, layer: int) -> None:
-        handle.wait_ready(layer)
+    def normalize_after(self, after: object) -> object:
+        raise TypeError(f"after={after!r}: the no-op engine waits for no producer")
+
+    def wait_layer(self, handle: BatchHandle, layer: int, timeout_s: float | None,
+                   classify: Callable[[bool, float], None]) -> None:
+        handle.wait_ready(layer, timeout_s)
+        classify(False, 0.0)
 
     def close(self) -> None:
         return None

@@ -1,0 +1,77 @@
+"""close() returns everything it can whatever the engine does: an engine whose close() raises
+(as after a sticky device error) or that never reports a copy still leaves the service CLOSED,
+the ledger reservation returned and every request ended; a second close() returns at once."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+from service_fixtures import make_buffers, tokens
+
+from dsa_async.config import PoolSize, ServiceConfig
+from dsa_async.errors import ServiceClosedError
+from dsa_async.geometry import dsa_indexer
+from dsa_async.ledger import HostLedger
+from dsa_async.service import OffloadService, ServiceState
+from dsa_async.transfer.batch import BatchHandle
+from dsa_async.transfer.cpu import CpuEngine
+
+BOUND_S = 10
+
+
+class _BrokenClose(CpuEngine):
+    def close(self) -> None:
+        super().close()
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+class _Silent(CpuEngine):
+    """Accepts batches and never runs or reports them (a hung device)."""
+
+    def submit(self, batch):
+        return BatchHandle(batch, self.num_layers)
+
+
+def _service(tmp_path, engine_cls) -> OffloadService:
+    geometry = dsa_indexer(num_layers=2)
+    config = ServiceConfig(geometries=(geometry,), host_pool=PoolSize(pages=8), backend="cpu",
+                           ledger_directory=str(tmp_path / "ledger"), drain_timeout_s=0.1)
+    return OffloadService(config, make_buffers(geometry, 8), engine_factory=engine_cls)
+
+
+async def test_close_after_the_engine_fails_to_close_returns_everything(tmp_path, caplog):
+    service = _service(tmp_path, _BrokenClose)
+    await service.start()
+    done = await service.evict(tokens([1]))
+    async with asyncio.timeout(BOUND_S):
+        with caplog.at_level(logging.ERROR):
+            await service.close()
+        await service.close()  # a second close returns at once
+    assert service.state is ServiceState.CLOSED and done.pages == 1
+    assert HostLedger(tmp_path / "ledger").entries() == ()
+    assert any("illegal memory access" in r.getMessage() or
+               (r.exc_info and "illegal memory access" in str(r.exc_info[1]))
+               for r in caplog.records)
+
+
+async def test_close_ends_copies_the_engine_never_reported(tmp_path):
+    service = _service(tmp_path, _Silent)
+    await service.start()
+    stuck = service.evict(tokens([1, 2]))
+    await asyncio.sleep(0)  # submitted to the engine, which never reports it
+    async with asyncio.timeout(BOUND_S):
+        await service.close()
+    assert service.state is ServiceState.CLOSED
+    assert isinstance(stuck.exception(), ServiceClosedError)
+    assert HostLedger(tmp_path / "ledger").entries() == ()
+
+
+async def test_requests_after_a_failed_close_are_refused(tmp_path):
+    service = _service(tmp_path, _BrokenClose)
+    await service.start()
+    async with asyncio.timeout(BOUND_S):
+        await service.close()
+    with pytest.raises(ServiceClosedError):
+        service.evict(tokens([0]))
