@@ -18,6 +18,26 @@ def make_buffers(geometry, device_pages: int, *, seed: int = 0):
                           dtype=torch.uint8, generator=gen) for _ in range(geometry.num_layers)]
 
 
+def offset_layers(geometry, device_pages: int, offset_bytes: int, gap_bytes: int | None,
+                  gen: torch.Generator) -> list[torch.Tensor]:
+    """Per-layer ``uint8 [device_pages, row]`` tensors starting ``offset_bytes`` into their
+    storage: each layer in its own allocation (``gap_bytes`` None) or views of one allocation
+    with ``gap_bytes`` between consecutive layers."""
+    row = geometry.bytes_per_page_per_layer
+    size = device_pages * row
+    if gap_bytes is None:
+        layers = []
+        for _ in range(geometry.num_layers):
+            base = torch.randint(0, 256, (size + offset_bytes,), dtype=torch.uint8, generator=gen)
+            layers.append(base[offset_bytes:].view(device_pages, row))
+        return layers
+    step = size + gap_bytes
+    base = torch.randint(0, 256, (offset_bytes + step * geometry.num_layers,), dtype=torch.uint8,
+                         generator=gen)
+    return [base[offset_bytes + i * step: offset_bytes + i * step + size].view(device_pages, row)
+            for i in range(geometry.num_layers)]
+
+
 def make_service(tmp_path, *, layers: int = 3, host_pages: int = 32, device_pages: int = 24,
                  with_kv: bool = False, **config_kwargs) -> tuple[OffloadService, dict]:
     geometries = [dsa_indexer(num_layers=layers)]

@@ -13,33 +13,13 @@ import asyncio
 import numpy as np
 import pytest
 import torch
-from service_fixtures import PAGE
+from service_fixtures import PAGE, offset_layers
 
 from dsa_async.config import PoolSize, ServiceConfig
 from dsa_async.geometry import HostLayout, dsa_indexer, mla_kv
 from dsa_async.service import OffloadService
 
 LAYERS, DEVICE_PAGES, HOST_PAGES = 3, 24, 32
-
-
-def _offset_layers(geometry, offset_bytes: int, gap_bytes: int | None, gen) -> list[torch.Tensor]:
-    """Per-layer ``uint8 [pages, row]`` tensors starting ``offset_bytes`` into their storage.
-
-    ``gap_bytes`` None: each layer in its own allocation; else views of one allocation with
-    ``gap_bytes`` between consecutive layers."""
-    row = geometry.bytes_per_page_per_layer
-    size = DEVICE_PAGES * row
-    if gap_bytes is None:
-        layers = []
-        for _ in range(geometry.num_layers):
-            base = torch.randint(0, 256, (size + offset_bytes,), dtype=torch.uint8, generator=gen)
-            layers.append(base[offset_bytes:].view(DEVICE_PAGES, row))
-        return layers
-    step = size + gap_bytes
-    base = torch.randint(0, 256, (offset_bytes + step * geometry.num_layers,), dtype=torch.uint8,
-                         generator=gen)
-    return [base[offset_bytes + i * step: offset_bytes + i * step + size].view(DEVICE_PAGES, row)
-            for i in range(geometry.num_layers)]
 
 
 def _tokens(pages) -> torch.Tensor:
@@ -55,7 +35,7 @@ async def test_any_device_row_alignment_round_trips_byte_exact(tmp_path, offset_
     geometries = (dsa_indexer(num_layers=LAYERS, host_layout=layout),
                   mla_kv(num_layers=LAYERS, host_layout=layout))
     gen = torch.Generator().manual_seed(offset_bytes * 31 + (gap_bytes or 0))
-    buffers = {g.name: _offset_layers(g, offset_bytes, gap_bytes, gen) for g in geometries}
+    buffers = {g.name: offset_layers(g, DEVICE_PAGES, offset_bytes, gap_bytes, gen) for g in geometries}
     config = ServiceConfig(geometries=geometries, host_pool=PoolSize(pages=HOST_PAGES),
                            backend="cpu", ledger_directory=str(tmp_path / "ledger"))
     rng = np.random.default_rng(offset_bytes)

@@ -3,6 +3,16 @@ model of device and host bytes: evictions (service-chosen and explicit host page
 (also of backups still in flight), releases, cancellations, device writes and layer-by-layer
 consumers, checked byte for byte, with the pool's accounting, after every step that awaits.
 
+Requests name producers from the grammar (threading and asyncio events, concurrent and asyncio
+futures, sequences of them, other requests' Transfers); producers fire later, some fail, and
+requests named in ``after=`` are cancelled or fail. A pressure hook releases host pages; loop
+consumers awaiting ``layer_ready`` are cancelled; forward-pass threads wait with
+``wait_layer(timeout_s=...)``. Each seed runs a different device-buffer shape: separate
+allocations, rows 8 bytes into their storage, views of one allocation with and without gaps
+between layers, and pools with different layer counts. After every step (once the loop ran its
+ready callbacks) the scheduler's liveness rule is checked: every queued request is held by
+something that ends by itself.
+
 The model applies each copy in submission order (the hazard rules make that the order the
 bytes move in). A request that did not end done may or may not have copied, so the pages it
 writes become unknown, as does anything later copied from unknown pages, until rewritten.
@@ -12,23 +22,35 @@ writes become unknown, as does anything later copied from unknown pages, until r
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import random
+import threading
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
 import torch
-from service_fixtures import PAGE, make_service
+from service_fixtures import PAGE, offset_layers
 
-from dsa_async.errors import PagesInFlightError, TransferFailedError
+from dsa_async.config import PoolSize, ServiceConfig
+from dsa_async.errors import PagesInFlightError, ServiceClosedError, TransferFailedError
+from dsa_async.geometry import dsa_indexer, mla_kv
 from dsa_async.host_pool import HostPages
 from dsa_async.ledger import HostLedger
+from dsa_async.service import OffloadService
 
 LAYERS, DEVICE_PAGES, HOST_PAGES = 3, 24, 32
 STEPS = int(os.environ.get("DSA_ASYNC_STATEFUL_STEPS", "500"))
-SEEDS = [11, 23, 37, 41, 59]
+#: seed -> device buffers: (offset of each layer's rows in bytes, gap between layers (None: own
+#: allocations), layers of the KV pool)
+SHAPES = {11: (0, None, LAYERS), 23: (8, None, LAYERS), 37: (8, 24, LAYERS), 41: (0, 0, 2),
+          59: (0, 0, LAYERS)}
+SEEDS = list(SHAPES)
 BOUND_S = 60
+#: A forward-pass thread gives up on a layer after this long (its producer may fire late).
+THREAD_GIVE_UP_S = 10.0
 
 
 @dataclass
@@ -59,11 +81,77 @@ class Driver:
         self.gen = torch.Generator().manual_seed(seed)
         self.dev = {n: torch.stack([x.clone() for x in layers]) for n, layers in buffers.items()}
         self.host = {n: torch.zeros_like(a) for n, a in service.host_pool.arenas.items()}
+        self.layers = {n: len(layers) for n, layers in buffers.items()}
         self.tainted: set = set()
         self.log: list = []  # ops and device writes since the last checkpoint, in order
         self.handles: list[HostPages] = []
-        self.consumers: list[tuple[asyncio.Task, set]] = []
+        self.consumers: list[tuple[asyncio.Future, set]] = []
+        self.threads: set[asyncio.Future] = set()  # the consumers that are threads
+        self.gates: list[tuple[str, object]] = []  # producers not fired yet
         self.counts: dict[str, int] = {}
+
+    def count(self, what: str) -> None:
+        self.counts[what] = self.counts.get(what, 0) + 1
+
+    # --- producers ------------------------------------------------------------------------
+
+    def _gate(self) -> object:
+        kind = self.rng.choice(["threading", "concurrent", "asyncio-event", "asyncio-future"])
+        if kind == "threading":
+            gate = threading.Event()
+        elif kind == "concurrent":
+            gate = concurrent.futures.Future()
+        elif kind == "asyncio-event":
+            gate = asyncio.Event()
+        else:
+            gate = asyncio.get_running_loop().create_future()
+        self.gates.append((kind, gate))
+        return gate
+
+    def after(self) -> object | None:
+        """``after=`` for a new request: nothing mostly, else producers from the grammar."""
+        roll = self.rng.random()
+        if roll < 0.65:
+            return None
+        if roll < 0.8:
+            return self._gate()
+        if roll < 0.9:
+            return [self._gate(), self._gate()]
+        pending = self.pending()
+        if not pending:
+            return None
+        self.count("after-transfer")
+        chosen = self.rng.choice(pending).transfer
+        return chosen if self.rng.random() < 0.5 else [chosen, self._gate()]
+
+    def fire(self, *, fail_some: bool = True) -> None:
+        """Fire one producer (``fail_some``: futures fail one time in five)."""
+        if not self.gates:
+            return
+        kind, gate = self.gates.pop(self.rng.randrange(len(self.gates)))
+        fail = fail_some and self.rng.random() < 0.2
+        if kind in ("threading", "asyncio-event"):
+            gate.set()
+        elif fail:
+            self.count("producer-failed")
+            gate.set_exception(RuntimeError("producer failed"))
+            gate.exception()  # the request may have ended already: nobody else looks
+        else:
+            gate.set_result(None)
+
+    def fire_all(self) -> None:
+        while self.gates:
+            self.fire(fail_some=False)
+
+    def on_pressure(self, pages_needed: int) -> None:
+        """The host-LRU hook: release a handle no pending copy uses."""
+        busy = {p for op in self.pending() for k, p in op.reads | op.writes if k == "h"}
+        for handle in list(self.handles):
+            if busy.isdisjoint(handle.pages.tolist()):
+                self.s.release(handle)
+                self.handles.remove(handle)
+                self.count("pressure-release")
+                return
 
     # --- helpers --------------------------------------------------------------------------
 
@@ -112,10 +200,10 @@ class Driver:
         n = self.rng.randint(1, 4)
         waiting = sum(op.transfer.num_pages for op in self.pending()
                       if op.kind == "auto" and op.transfer.host_pages is None)
-        if self.s.statistics().free_pages - waiting < n:
-            return
+        if self.s.statistics().free_pages - waiting < n and self.rng.random() < 0.7:
+            return  # else it waits for host pages: the pressure hook, or the wait's deadline
         pages = self.rng.sample(range(DEVICE_PAGES), n)
-        t = self.s.evict(torch.from_numpy(_token_ranges(self.rng, pages)))
+        t = self.s.evict(torch.from_numpy(_token_ranges(self.rng, pages)), after=self.after())
         self.log.append(Op(t, "auto", {("d", p) for p in pages}, set(),
                            snapshot={p: self.read(("d", p)) for p in pages},
                            device_pages=np.array(pages)))
@@ -137,12 +225,13 @@ class Driver:
         offsets = [self.rng.randrange(PAGE) for _ in host]
         d_tokens = torch.tensor([d * PAGE + o for d, o in zip(dev, offsets)])
         h_tokens = torch.tensor([h * PAGE + o for h, o in zip(host, offsets)])
-        t = self.s.evict(d_tokens, host_tokens=h_tokens)
+        t = self.s.evict(d_tokens, host_tokens=h_tokens, after=self.after(),
+                         priority=self.rng.choice([0, 0, 1]))
         for d, h in zip(dev, host):
             self.write(("h", h), self.read(("d", d)))
         self.log.append(Op(t, "d2h", {("d", d) for d in dev}, {("h", h) for h in host}))
 
-    def prefetch(self, consume: bool) -> None:
+    def prefetch(self, consume: str | None) -> None:
         picked = self._pairs()
         if picked is None:
             return
@@ -153,31 +242,68 @@ class Driver:
         if len(allowed) < len(host):
             return
         dev = self.rng.sample(allowed, len(host))
+        # Deadlines and priorities reorder the queue: a later request may be looked at first.
+        order = {"after": self.after(), "deadline_s": self.rng.choice([None, None, 0, 0.5]),
+                 "priority": self.rng.choice([0, 0, 1])}
         if host == handle.pages.tolist() and self.rng.random() < 0.5:
-            t = self.s.prefetch(handle, torch.from_numpy(_token_ranges(self.rng, dev)))
+            t = self.s.prefetch(handle, torch.from_numpy(_token_ranges(self.rng, dev)), **order)
         else:
             offsets = [self.rng.randrange(PAGE) for _ in host]
             t = self.s.prefetch(None, torch.tensor([d * PAGE + o for d, o in zip(dev, offsets)]),
                                 host_tokens=torch.tensor([h * PAGE + o for h, o in
-                                                          zip(host, offsets)]))
+                                                          zip(host, offsets)]), **order)
         for d, h in zip(dev, host):
             self.write(("d", d), self.read(("h", h)))
         op = Op(t, "h2d", {("h", h) for h in host}, {("d", d) for d in dev},
                 device_pages=np.array(dev), expected={d: self.read(("d", d)) for d in dev})
         self.log.append(op)
-        if consume:
+        if consume == "loop":
             task = asyncio.ensure_future(self._consume(op))
             self.consumers.append((task, set(dev)))
+        elif consume == "thread":
+            timeout_s = self.rng.choice([0.0, 0.001, 0.02])
+            task = asyncio.ensure_future(asyncio.to_thread(self._consume_in_thread, op,
+                                                           timeout_s))
+            self.threads.add(task)  # never cancelled: a cancelled to_thread leaves it running
+            self.consumers.append((task, set(dev)))
+
+    def _seen(self, op: Op, layer: int, index: torch.Tensor) -> None:
+        for n, layers in self.buffers.items():
+            if layer < len(layers):
+                op.layer_seen[(n, layer)] = layers[layer][index].clone()
 
     async def _consume(self, op: Op) -> None:
         index = torch.from_numpy(op.device_pages)
-        for layer in range(LAYERS):
+        for layer in range(max(self.layers.values())):
             try:
                 await op.transfer.layer_ready(layer)
             except (asyncio.CancelledError, TransferFailedError):  # the copy ended badly
                 return
-            for n, layers in self.buffers.items():
-                op.layer_seen[(n, layer)] = layers[layer][index].clone()
+            self._seen(op, layer, index)
+
+    def _consume_in_thread(self, op: Op, timeout_s: float) -> None:
+        """A forward-pass thread: waits layer by layer with a timeout, retrying until the
+        layer is ready, the copy ends badly or it gives up."""
+        index = torch.from_numpy(op.device_pages)
+        give_up = time.monotonic() + THREAD_GIVE_UP_S
+        for layer in range(max(self.layers.values())):
+            while True:
+                try:
+                    op.transfer.wait_layer(layer, timeout_s=timeout_s)
+                    break
+                except TimeoutError:
+                    if time.monotonic() > give_up:
+                        return
+                except (TransferFailedError, ServiceClosedError):
+                    return
+            self._seen(op, layer, index)
+
+    def cancel_consumer(self) -> None:
+        """Cancel a task awaiting ``layer_ready`` (never the copy)."""
+        running = [t for t, _ in self.consumers if not t.done() and t not in self.threads]
+        if running:
+            self.count("consumer-cancelled")
+            self.rng.choice(running).cancel()
 
     def release(self) -> None:
         if not self.handles:
@@ -208,11 +334,13 @@ class Driver:
     # --- checkpoint -----------------------------------------------------------------------
 
     async def checkpoint(self) -> None:
-        for op in self.pending():
-            await asyncio.gather(op.transfer, return_exceptions=True)
-        for task, _ in self.consumers:
-            await task
+        self.fire_all()  # traffic stops and every producer fires: everything must end now
+        async with asyncio.timeout(BOUND_S):
+            for op in self.pending():
+                await asyncio.gather(op.transfer, return_exceptions=True)
+            await asyncio.gather(*(task for task, _ in self.consumers), return_exceptions=True)
         self.consumers.clear()
+        self.threads.clear()
         for entry in self.log:
             if not isinstance(entry, Op):
                 self.tainted.discard(("d", entry[1]))
@@ -240,6 +368,8 @@ class Driver:
                     want = torch.stack([entry.expected[d][n][layer]
                                         for d in entry.device_pages.tolist()])
                     assert torch.equal(seen, want), f"layer {layer} of {n} wrong when ready"
+            elif entry.kind == "h2d" and entry.layer_seen and not done:
+                self.count("h2d-ended-badly-after-layers-seen")
         self.log.clear()
         self.verify()
 
@@ -259,11 +389,13 @@ class Driver:
         assert stats.inflight_requests == 0
 
     async def run(self, steps: int) -> int:
-        ops = [(self.evict_auto, 3), (self.evict_explicit, 3), (lambda: self.prefetch(False), 3),
-               (lambda: self.prefetch(True), 2), (self.device_write, 3), (self.release, 2),
-               (self.allocate, 2), (self.cancel, 1)]
+        ops = [(self.evict_auto, 3), (self.evict_explicit, 3), (lambda: self.prefetch(None), 3),
+               (lambda: self.prefetch("loop"), 2), (lambda: self.prefetch("thread"), 1),
+               (self.device_write, 3), (self.release, 2), (self.allocate, 2), (self.cancel, 1),
+               (self.fire, 3), (self.cancel_consumer, 1)]
         fns, weights = zip(*ops)
         checkpoints = 0
+        scheduler = self.s._scheduler
         for step in range(steps):
             if self.rng.random() < 0.12:
                 await self.checkpoint()
@@ -271,19 +403,32 @@ class Driver:
                 continue
             self.rng.choices(fns, weights)[0]()
             if self.rng.random() < 0.3:
-                await asyncio.sleep(0)  # let flushes and completions interleave
+                continue  # several steps in one loop turn: they share flushes and batches
+            await asyncio.sleep(0)  # the loop runs its ready callbacks (flushes, completions)
+            scheduler.check_liveness()
         await self.checkpoint()
         return checkpoints + 1
 
 
+def _service(tmp_path, seed: int) -> tuple[OffloadService, dict]:
+    offset_bytes, gap_bytes, kv_layers = SHAPES[seed]
+    geometries = (dsa_indexer(num_layers=LAYERS), mla_kv(num_layers=kv_layers))
+    gen = torch.Generator().manual_seed(seed)
+    buffers = {g.name: offset_layers(g, DEVICE_PAGES, offset_bytes, gap_bytes, gen)
+               for g in geometries}
+    config = ServiceConfig(geometries=geometries, host_pool=PoolSize(pages=HOST_PAGES),
+                           backend="cpu", ledger_directory=str(tmp_path / "ledger"),
+                           host_wait_timeout_s=0.5)
+    return OffloadService(config, buffers), buffers
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 async def test_random_operations_match_the_reference_model(tmp_path, seed):
-    service, buffers = make_service(tmp_path, layers=LAYERS, host_pages=HOST_PAGES,
-                                    device_pages=DEVICE_PAGES, with_kv=True,
-                                    host_wait_timeout_s=0.5)
-    async with service, asyncio.timeout(BOUND_S):
+    service, buffers = _service(tmp_path, seed)
+    async with service:
         start = service.statistics()
         driver = Driver(service, buffers, seed)
+        service.on_host_pressure = driver.on_pressure
         checkpoints = await driver.run(STEPS)
         for handle in driver.handles:
             service.release(handle)
