@@ -121,3 +121,15 @@ def wide_view(t: torch.Tensor) -> torch.Tensor:
         ):
             return t.view(dtype)
     return t
+
+
+def same_width(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of both sides of one index op in the widest element type both allow.
+
+    Index ops need both sides in one element type; each side alone may allow a different
+    width (e.g. device rows 8-byte but not 16-byte aligned), so the narrower one wins."""
+    wide_a, wide_b = wide_view(a), wide_view(b)
+    if wide_a.dtype == wide_b.dtype:
+        return wide_a, wide_b
+    narrow = wide_a if wide_a.element_size() < wide_b.element_size() else wide_b
+    return a.view(narrow.dtype), b.view(narrow.dtype)

@@ -24,7 +24,7 @@ import torch
 
 from ..kinds import Direction
 from ..pages import is_run, page_runs
-from .buffers import PoolBinding, wide_view
+from .buffers import PoolBinding, same_width
 
 #: Below this many bytes per call, Python and dispatch overhead dominate a copy.
 MIN_BYTES_PER_CALL = 256 * 1024
@@ -129,7 +129,7 @@ def copy_layers_cpu(binding: PoolBinding, plan: PagePlan, direction: Direction, 
     if binding.device_fused is not None:
         host, dev = binding.host[first:last], binding.device_fused[first:last]
         if not to_host and plan.mode is CopyMode.SEGMENTS:
-            _scatter_segments_fused(*_same_width(host, dev), plan)
+            _scatter_segments_fused(*same_width(host, dev), plan)
             return
         # Strided run copies stay on bytes: wide elements measured slower here (0.43 vs 0.71).
         for h, d, k in plan.runs.tolist():
@@ -145,17 +145,6 @@ def copy_layers_cpu(binding: PoolBinding, plan: PagePlan, direction: Direction, 
             _copy_segments(host, dev, plan, to_host)
         else:
             _copy_scattered(host, dev, plan, to_host, staging)
-
-
-def _same_width(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Views of both sides in the widest element type both allow (every index op takes its
-    two sides through here: they must agree on the element type)."""
-    wide_a, wide_b = wide_view(a), wide_view(b)
-    if wide_a.dtype == wide_b.dtype:
-        return wide_a, wide_b
-    size = min(wide_a.element_size(), wide_b.element_size())
-    narrow = wide_a if wide_a.element_size() == size else wide_b
-    return a.view(narrow.dtype), b.view(narrow.dtype)
 
 
 def _scatter_segments_fused(host: torch.Tensor, dev: torch.Tensor, plan: PagePlan) -> None:
@@ -177,7 +166,7 @@ def _copy_segments(host: torch.Tensor, dev: torch.Tensor, plan: PagePlan, to_hos
             continue
         # Both sides of one index op in the same element type: the device rows may allow a
         # narrower one than the host segment (e.g. 8-byte but not 16-byte aligned).
-        h_w, d_w = _same_width(h, dev)
+        h_w, d_w = same_width(h, dev)
         if to_host:
             torch.index_select(d_w, 0, seg.device_index, out=h_w)
         else:
@@ -190,7 +179,7 @@ def _copy_scattered(host: torch.Tensor, dev: torch.Tensor, plan: PagePlan, to_ho
     src_index, dst_index = (
         (plan.device_index, plan.host_index) if to_host else (plan.host_index, plan.device_index)
     )
-    src_w, dst_w = _same_width(src, dst)
+    src_w, dst_w = same_width(src, dst)
     buffer = staging.rows(src_w, plan.num_pages)
     torch.index_select(src_w, 0, src_index, out=buffer)
     dst_w.index_copy_(0, dst_index, buffer)

@@ -49,7 +49,7 @@ import torch
 
 from ..kinds import Direction
 from ..pages import is_run, page_runs
-from .buffers import PoolBinding, wide_view
+from .buffers import PoolBinding, same_width
 from .copyplan import MIN_BYTES_PER_CALL
 from .registrations import RegistrationMap
 
@@ -359,16 +359,16 @@ class _PoolPlan:
             else:
                 src = self.batch.staging.rows((layers, pages, row))
                 _gather_device(self, tile, l0, l1, src)
-            dst_w, src_w = _same_width(mapped, src)
+            dst_w, src_w = same_width(mapped, src)
             dst_w.index_copy_(1, host_index, src_w)  # one kernel: writes the host pages
             return
         if d0 is not None and layers == 1:
             out = b.device_layers[l0][d0 + tile.p0:d0 + tile.p1]
-            src_w, out_w = _same_width(mapped[0], out)
+            src_w, out_w = same_width(mapped[0], out)
             torch.index_select(src_w, 0, host_index, out=out_w)  # one kernel, no staging
             return
         stage = self.batch.staging.rows((layers, pages, row))
-        src_w, stage_w = _same_width(mapped, stage)
+        src_w, stage_w = same_width(mapped, stage)
         torch.index_select(src_w, 1, host_index, out=stage_w)  # reads the host pages
         _scatter_device(self, tile, l0, l1, stage)
 
@@ -397,12 +397,6 @@ def _memcpy(plan: _PoolPlan, host_offset: int, dev_flat: torch.Tensor, dev_offse
             dev.copy_(host, non_blocking=True)
 
 
-def _same_width(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Wide views of both sides when they agree on the element type, else the bytes."""
-    wide_a, wide_b = wide_view(a), wide_view(b)
-    return (wide_a, wide_b) if wide_a.dtype == wide_b.dtype else (a, b)
-
-
 def _gather_device(plan: _PoolPlan, tile: _Pieces, l0: int, l1: int,
                    out: torch.Tensor) -> None:
     """Device pages of pairs ``[p0, p1)``, layers ``[l0, l1)``, into ``out [layers, pages, B]``."""
@@ -419,11 +413,11 @@ def _gather_device(plan: _PoolPlan, tile: _Pieces, l0: int, l1: int,
         return
     _, dev_index = plan.batch.index(tile.p0, tile.p1)
     if fused is not None:
-        src, dst = _same_width(fused[l0:l1], out)
+        src, dst = same_width(fused[l0:l1], out)
         torch.index_select(src, 1, dev_index, out=dst)  # one kernel for the layer group
         return
     for j, layer in enumerate(range(l0, l1)):
-        src, dst = _same_width(b.device_layers[layer], out[j])
+        src, dst = same_width(b.device_layers[layer], out[j])
         torch.index_select(src, 0, dev_index, out=dst)
 
 
@@ -443,9 +437,9 @@ def _scatter_device(plan: _PoolPlan, tile: _Pieces, l0: int, l1: int,
         return
     _, dev_index = plan.batch.index(tile.p0, tile.p1)
     if fused is not None:
-        dst, s = _same_width(fused[l0:l1], src)
+        dst, s = same_width(fused[l0:l1], src)
         dst.index_copy_(1, dev_index, s)  # one kernel for the layer group
         return
     for j, layer in enumerate(range(l0, l1)):
-        dst, s = _same_width(b.device_layers[layer], src[j])
+        dst, s = same_width(b.device_layers[layer], src[j])
         dst.index_copy_(0, dev_index, s)
