@@ -278,7 +278,8 @@ class OffloadService:
         Without ``host_tokens`` the service picks host pages (in extents) and the result
         carries them (``Transfer.host_pages``). With ``host_tokens`` (same length, same in-page
         offsets) they must lie in pages from :meth:`allocate_host_pages`. The copy waits for
-        ``after`` (a producer) or, on CUDA, the caller's current stream. Does not block.
+        the calling thread's work so far (CUDA: its current stream, captured here) and for every
+        producer in ``after`` (producers.py). Does not block.
         """
         scheduler = self._running()
         if host_tokens is None:
@@ -305,8 +306,10 @@ class OffloadService:
 
         ``host`` is a ``HostPages`` handle (its pages pair with the device pages in order) or
         ``None`` with ``host_tokens`` (same length and in-page offsets as ``device_tokens``).
-        Whole device pages are overwritten, layer by layer. ``deadline_s``: seconds from now
-        on the loop's clock; earlier deadlines, then larger ``priority``, go first. Does not block.
+        Whole device pages are overwritten, layer by layer, after the calling thread's work so
+        far (CUDA: its current stream, captured here: kernels still reading the old pages) and
+        every producer in ``after``. ``deadline_s``: seconds from now on the loop's clock;
+        earlier deadlines, then larger ``priority``, go first. Does not block.
         """
         scheduler = self._running()
         if host is not None and host_tokens is not None:
