@@ -345,7 +345,7 @@ class Scheduler:
                 report_unobserved(request, error)
         else:
             future.cancel()
-        if request.loop_waits:
+        if self._loop_watches:
             self._stop_watching_loop_producers(request)
         if request.waiters:
             for waiter in request.waiters:
@@ -509,6 +509,7 @@ class Scheduler:
         if failure is not None:
             self._fail_for_producer(request, producer, failure)
         elif not request.loop_waits:
+            del self._loop_watches[request]  # every producer ended: nothing left to stop
             self.schedule_flush()
 
     def _fail_for_producer(self, request: Request, producer: object,

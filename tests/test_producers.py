@@ -275,3 +275,26 @@ async def test_the_default_producer_is_captured_on_the_submitting_thread(tmp_pat
         service.evict(tokens([2]), host_tokens=held.token_indices())  # on the loop: the loop
         assert engines[0].captured_on[-1] == loop_thread
         await asyncio.sleep(0.05)
+
+
+async def test_loop_producers_leave_nothing_behind_once_their_requests_end(tmp_path):
+    service, _ = make_service(tmp_path, layers=LAYERS)
+    async with service, asyncio.timeout(BOUND_S):
+        loop = asyncio.get_running_loop()
+        fired, cancelled_event = loop.create_future(), asyncio.Event()
+        done = service.evict(tokens([0]), after=[fired, asyncio.Event()])
+        gone = service.evict(tokens([1]), after=cancelled_event)
+        fired.set_result(None)
+        await asyncio.sleep(0)
+        assert gone.cancel() and done.cancel()
+        await asyncio.sleep(0)  # the service's own waits on the events are cancelled
+        assert service._scheduler._loop_watches == {}
+        waits = [t for t in asyncio.all_tasks() if "Event.wait" in repr(t)]
+        assert waits == []
+        ok = service.evict(tokens([2]), after=fired)  # already finished: goes at once
+        service.release((await ok).host_pages)
+        later = loop.create_future()
+        waited = service.evict(tokens([3]), after=later)  # watched, then every producer fires
+        later.set_result(None)
+        service.release((await waited).host_pages)
+        assert service._scheduler._loop_watches == {}
