@@ -4,6 +4,9 @@ A ``Transfer`` is what ``evict``/``prefetch`` return: awaitable for the whole re
 per-layer readiness (``await t.layer_ready(i)`` on the loop, ``t.wait_layer(i)`` from a
 forward-pass thread), ``cancel()`` and done callbacks. Cancelling a task that awaits a
 ``Transfer`` cancels neither the copy nor other waiters; ``t.cancel()`` cancels the request.
+Threads without an event loop wait for the whole result with ``t.wait(timeout_s)`` or poll
+``t.done()`` and then read ``t.result()`` / ``t.exception()``; none of these goes through the
+loop.
 """
 
 from __future__ import annotations
@@ -31,17 +34,19 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dsa_async.service")
 _EMPTY = range(0)
-_START_LOCK = threading.Lock()  # guards creating start waiters and timeliness marks
+_START_LOCK = threading.Lock()  # guards creating start and end waiters and timeliness marks
 _seq = itertools.count()
 
 
 class RequestState(enum.Enum):
+    POSTED = "posted"  #: prepared on a thread, handed to the loop, not yet accepted there
     QUEUED = "queued"  #: accepted, not yet given to the engine
     SUBMITTED = "submitted"  #: its copy is in the engine
     FINISHED = "finished"
 
 
-QUEUED, SUBMITTED, FINISHED = RequestState.QUEUED, RequestState.SUBMITTED, RequestState.FINISHED
+POSTED, QUEUED = RequestState.POSTED, RequestState.QUEUED
+SUBMITTED, FINISHED = RequestState.SUBMITTED, RequestState.FINISHED
 
 
 @dataclass(frozen=True, init=False)
@@ -75,8 +80,8 @@ class Request:
         "seq", "direction", "host_pages", "device_pages", "num_pages", "host_handle", "owns_host",
         "after", "priority", "deadline", "submitted_at", "padding_tokens", "nbytes",
         "deps", "handle", "batch_index", "state", "cancel_requested", "future", "started",
-        "_start_waiter", "layer_seen", "waiters", "loop_waits", "observed", "dropped",
-        "__weakref__",
+        "_start_waiter", "end_waiter", "layer_seen", "waiters", "loop_waits", "observed",
+        "dropped", "__weakref__",
     )
 
     def __init__(self, direction: Direction, device_pages: PageSeq, host_pages: PageSeq | None,
@@ -107,6 +112,8 @@ class Request:
         self.future = future
         self.started = False  # `handle` exists, or the request ended before it could start
         self._start_waiter: threading.Event | None = None  # made only if a thread waits
+        #: set when the request ends; made only if a thread waits for the end (Transfer.wait)
+        self.end_waiter: threading.Event | None = None
         self.layer_seen: bytearray | None = None  # timeliness per layer, created lazily
         self.waiters: list[asyncio.Future] | None = None  # one per task awaiting the Transfer
 
@@ -132,6 +139,35 @@ class Request:
         if self.started:  # it started while the waiter was being published
             return True
         return waiter.wait(timeout_s)
+
+    def mark_ended(self) -> None:
+        """Loop side, once the future is resolved: wake threads waiting for the start or the
+        end. Lock-free for the same reason as :meth:`mark_started` (the future is resolved
+        before the end waiter is read; a waiting thread looks at the future again after
+        publishing its waiter)."""
+        if not self.started:
+            self.mark_started()
+        waiter = self.end_waiter
+        if waiter is not None:
+            waiter.set()
+
+    def wait_ended(self, timeout_s: float | None) -> bool:
+        """Thread side: block until the request ended (its future is resolved); ``False`` on
+        timeout."""
+        if self.future.done():
+            return True
+        with _START_LOCK:  # threads agree on one waiter
+            if self.end_waiter is None:
+                self.end_waiter = threading.Event()
+            waiter = self.end_waiter
+        if self.future.done():  # it ended while the waiter was being published
+            return True
+        return waiter.wait(timeout_s)
+
+    def renumber(self) -> None:
+        """Take the next submission number: a request prepared on a thread is numbered when
+        the loop accepts it, so queue order follows acceptance order. Loop thread."""
+        self.seq = next(_seq)
 
     def sort_key(self) -> tuple:
         """Queue order: prefetches by earliest deadline, then highest priority; backups by
@@ -214,6 +250,26 @@ class Transfer:
         self._request.observed = True
         return self._request.future.result()
 
+    def wait(self, timeout_s: float | None = None) -> TransferResult:
+        """From a thread without an event loop: block that thread until the request ends, then
+        return its result or raise its error (``asyncio.CancelledError`` if it was cancelled).
+
+        The wait does not go through the loop: the loop sets a ``threading.Event`` when the
+        request ends, made only if a thread waits. Past ``timeout_s`` (``None``: no bound),
+        ``TimeoutError``; the request keeps running. Refused (``RuntimeError``) on a thread
+        that runs an event loop, which it would block: there, ``await`` the transfer.
+        """
+        request = self._request
+        _check_timeout(timeout_s)
+        if not request.future.done():
+            if _runs_a_loop():
+                raise RuntimeError("Transfer.wait() blocks its thread, and this thread runs an "
+                                   "event loop: await the transfer instead")
+            if not request.wait_ended(timeout_s):
+                raise TimeoutError(f"the {request.direction.value} of {request.num_pages} "
+                                   f"pages did not end within {timeout_s} s (it keeps running)")
+        return self.result()
+
     def __del__(self) -> None:
         # A failed transfer nobody looked at is reported once, by the service's logger (the
         # service's own futures never reach asyncio's "exception was never retrieved").
@@ -287,11 +343,7 @@ class Transfer:
         """
         request = self._request
         self._check_layer(layer)
-        if timeout_s is not None and not (isinstance(timeout_s, (int, float))
-                                          and not isinstance(timeout_s, bool)
-                                          and timeout_s >= 0):
-            raise ValueError(f"timeout_s must be a number of seconds >= 0 or None, got "
-                             f"{timeout_s!r}")
+        _check_timeout(timeout_s)
         waited_from = time.perf_counter()
         started = request.started
         if not started and not request.wait_started(timeout_s):
@@ -367,6 +419,20 @@ class Transfer:
         r = self._request
         return (f"Transfer({r.direction.value}, pages={r.num_pages}, state={r.state.value}, "
                 f"done={r.future.done()})")
+
+
+def _runs_a_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+def _check_timeout(timeout_s: object) -> None:
+    if timeout_s is not None and not (isinstance(timeout_s, (int, float))
+                                      and not isinstance(timeout_s, bool) and timeout_s >= 0):
+        raise ValueError(f"timeout_s must be a number of seconds >= 0 or None, got {timeout_s!r}")
 
 
 def report_unobserved(request: Request, error: BaseException) -> None:

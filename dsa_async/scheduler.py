@@ -41,6 +41,13 @@ HostPressureCallback = Callable[[int], object]
 PUBLISH_PERIOD_S = 0.05
 
 
+def _services_own(handle: HostPages) -> UnknownHostPagesError:
+    return UnknownHostPagesError(
+        f"{handle!r} holds host pages the service frees itself once no copy uses them (an "
+        f"eviction it placed that was cancelled or failed, or pages already released while "
+        f"copies used them): drop the handle instead of releasing it")
+
+
 class Scheduler:
     def __init__(self, config: ServiceConfig, pool: HostPool, engine: TransferEngine,
                  metrics: ServiceMetrics, loop: asyncio.AbstractEventLoop,
@@ -351,8 +358,8 @@ class Scheduler:
             for waiter in request.waiters:
                 if not waiter.done():
                     waiter.set_result(None)  # the awaiting task reads request.future itself
-        if not request.started:
-            request.mark_started()  # wake forward-pass threads waiting for a start
+        if not request.started or request.end_waiter is not None:
+            request.mark_ended()  # wake threads waiting for its start or its end
         if self._pending_layers:
             for _layer, layer_future in self._pending_layers.pop(request, ()):
                 if not layer_future.done():
@@ -375,11 +382,25 @@ class Scheduler:
         """Return ``handle``'s pages to the pool now; refuses (changing nothing) while a queued
         or running copy reads or writes any of them. Does not block."""
         if handle.allocation_id in self._orphan_ids:
-            raise UnknownHostPagesError(
-                f"{handle!r} holds the host pages of an eviction that was cancelled or failed; "
-                f"the service frees them itself once no copy uses them: drop the handle "
-                f"instead of releasing it")
+            raise _services_own(handle)
         self.pool.release(handle, self.hazards.host_pages_busy)
+
+    def release_host_when_unused(self, handle: HostPages) -> None:
+        """Return ``handle``'s pages now, or once the last queued or running copy that uses
+        them ends; until then they are the service's (``release_host`` refuses the handle).
+        Raises ``UnknownHostPagesError`` for a handle that is not the caller's. Loop thread."""
+        self.check_releasable(handle)
+        self._orphans.append(handle)
+        self._orphan_ids.add(handle.allocation_id)
+        self._free_orphans()
+
+    def check_releasable(self, handle: HostPages) -> None:
+        """Raise ``UnknownHostPagesError`` unless ``handle`` is a live allocation that the
+        caller (not the service) holds. Changes nothing; safe on any thread (a set and a dict
+        lookup)."""
+        if handle.allocation_id in self._orphan_ids:
+            raise _services_own(handle)
+        self.pool.check_owned(handle)
 
     def _free_orphans(self) -> None:
         if not self._orphans:
