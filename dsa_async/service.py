@@ -9,7 +9,10 @@ and first-touches the arenas (off the loop), starts the engine and the loop-lag 
 
 ``evict``, ``prefetch``, ``release``, ``allocate_host_pages`` and ``statistics`` are plain
 methods for the loop thread: they validate, act or enqueue, and return at once. All waiting
-happens by awaiting the returned ``Transfer``. From another thread use ``call_threadsafe``.
+happens by awaiting the returned ``Transfer``. Threads without an event loop submit with
+``evict_threadsafe`` / ``prefetch_threadsafe`` and release with ``release_threadsafe``: they
+validate and capture on the calling thread and hand over in batches (thread_submit.py); they
+wait with ``Transfer.wait`` / ``wait_layer``. For anything else, ``call_threadsafe``.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import enum
 import functools
 import logging
 import math
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -29,17 +33,18 @@ from . import __version__
 from .budget import probe_host_budget
 from .config import ServiceConfig
 from .errors import (ConfigError, HostPoolExhausted, IndexTypeError, IndexValueError,
-                     QueueFullError, ServiceClosedError)
+                     QueueFullError, ServiceClosedError, UnknownHostPagesError)
 from .host_pool import HostPages, HostPool
-from .kinds import D2H, DONE, H2D, Backend, Direction
+from .kinds import CANCELLED, D2H, DONE, FAILED, H2D, Backend, Direction
 from .ledger import HostLedger
 from .loop_lag import EventLoopLagMonitor
 from .metrics import BudgetFigures, ServiceMetrics
 from .page_seq import PageSeq, paired_page_seqs, tokens_to_page_seq
 from .plan import reserve_host_pools
 from .producers import NO_PRODUCERS, parse_after
-from .request import NO_DEADLINE, Request, Transfer, TransferResult
+from .request import NO_DEADLINE, POSTED, QUEUED, Request, Transfer, TransferResult
 from .scheduler import HostPressureCallback, Scheduler
+from .thread_submit import HostCheck, PostedRequest, ThreadInbox
 from .transfer.base import FaultHook, TransferEngine, resolve_backend
 from .transfer.buffers import DeviceBuffers, bind_pool
 from .transfer.handoff import LoopHandoff
@@ -130,6 +135,8 @@ class OffloadService:
         self.plan = None
         #: a producer captured on a submitting thread, for the request the loop runs now
         self._captured: object = _NOT_CAPTURED
+        self._capacity_pages = 0  # host pages in all (read by submitting threads)
+        self._inbox: ThreadInbox | None = None  # what threads without a loop hand over
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -165,6 +172,7 @@ class OffloadService:
         self.device_pages = min(b.device_pages for b in bindings.values())
         self._device_token_bound = self.device_pages * config.page_size_tokens
         self._host_token_bound = self._pool.capacity_pages * config.page_size_tokens
+        self._capacity_pages = self._pool.capacity_pages
         self.metrics = ServiceMetrics(self.registry, version=__version__, backend=self.backend,
                                       budget_reader=self._read_budget)
         self.metrics.observe_pool_allocation(self._pool.startup_s)
@@ -176,6 +184,7 @@ class OffloadService:
             factory, bindings, handoff, self._on_batch_done, fault_hook=self._fault_hook)
         self._scheduler = Scheduler(config, self._pool, self._engine, self.metrics, loop,
                                     self._pressure)
+        self._inbox = ThreadInbox(loop, self._accept_posted, self._take_posted_release)
         self._lag_monitor = EventLoopLagMonitor(self.metrics.observe_loop_lag)
         self._lag_monitor.start()
         self._scheduler.publish_state(now=True)
@@ -210,6 +219,8 @@ class OffloadService:
             return
         self._state = ServiceState.CLOSING
         try:
+            if self._inbox is not None:
+                self._inbox.close()  # threads' later posts raise; what they posted is drained
             if self._scheduler is not None:
                 await self._scheduler.drain(self.config.drain_timeout_s)
                 self._scheduler.publish_state(now=True)  # the drained state, for a last scrape
@@ -279,26 +290,13 @@ class OffloadService:
         carries them (``Transfer.host_pages``). With ``host_tokens`` (same length, same in-page
         offsets) they must lie in pages from :meth:`allocate_host_pages`. The copy waits for
         the calling thread's work so far (CUDA: its current stream, captured here) and for every
-        producer in ``after`` (producers.py). Does not block.
+        producer in ``after`` (producers.py). Loop thread; does not block.
         """
         scheduler = self._running()
-        if host_tokens is None:
-            device_pages, padding = tokens_to_page_seq(
-                device_tokens, "device_tokens", self._device_token_bound, self._page_size_tokens)
-            if len(device_pages) > self._pool.capacity_pages:
-                raise HostPoolExhausted(
-                    f"evict() of {len(device_pages)} pages can never fit: the host pool holds "
-                    f"{self._pool.capacity_pages} pages in all; evict at most that many per "
-                    f"request (split it), or raise ServiceConfig.host_pool")
-            host_pages, owns = None, True
-        else:
-            host_pages, device_pages, padding = paired_page_seqs(
-                host_tokens, device_tokens, host_bound=self._host_token_bound,
-                device_bound=self._device_token_bound, page_size_tokens=self._page_size_tokens)
-            self._pool.check_allocated(host_pages, name="host_tokens")
-            owns = False
-        return self._admit(scheduler, D2H, device_pages, host_pages, owns,
-                           after, priority, NO_DEADLINE, padding)
+        transfer, loop_producers = self._prepare_evict(
+            scheduler, device_tokens, host_tokens, after, priority, self._captured, on_loop=True)
+        self._accept(scheduler, transfer._request, loop_producers)
+        return transfer
 
     def prefetch(self, host: HostPages | None, device_tokens, *, host_tokens=None, after=None,
                  deadline_s: float | None = None, priority: int = 0) -> Transfer:
@@ -309,9 +307,137 @@ class OffloadService:
         Whole device pages are overwritten, layer by layer, after the calling thread's work so
         far (CUDA: its current stream, captured here: kernels still reading the old pages) and
         every producer in ``after``. ``deadline_s``: seconds from now on the loop's clock;
-        earlier deadlines, then larger ``priority``, go first. Does not block.
+        earlier deadlines, then larger ``priority``, go first. Loop thread; does not block.
         """
         scheduler = self._running()
+        transfer, loop_producers = self._prepare_prefetch(
+            scheduler, host, device_tokens, host_tokens, after, deadline_s, priority,
+            self._captured, on_loop=True)
+        self._accept(scheduler, transfer._request, loop_producers)
+        return transfer
+
+    # --- requests from threads without an event loop --------------------------------------
+
+    def evict_threadsafe(self, device_tokens, *, host_tokens=None, after=None,
+                         priority: int = 0) -> Transfer:
+        """:meth:`evict` from a thread without an event loop; returns its ``Transfer`` at once.
+
+        Validation, padding, ``after=`` and the capture of the calling thread's work (CUDA:
+        an event on its current stream) happen here, on the calling thread, and raise here.
+        The prepared request reaches the loop in a batch with other threads' (thread_submit.py).
+        Whether ``host_tokens`` lie in live allocations is checked on the loop (the pool is
+        the loop's): if not, the transfer fails with ``UnknownHostPagesError``. Wait with
+        ``Transfer.wait(timeout_s)``, ``wait_layer`` or poll ``done()``. Any thread but the
+        loop's; does not block (a short lock).
+        """
+        scheduler = self._running()
+        transfer, loop_producers = self._prepare_evict(
+            scheduler, device_tokens, host_tokens, after, priority, _NOT_CAPTURED, on_loop=False)
+        check = HostCheck.NONE if host_tokens is None else HostCheck.ALLOCATED
+        self._inbox.post(PostedRequest(transfer._request, loop_producers, check))
+        return transfer
+
+    def prefetch_threadsafe(self, host: HostPages | None, device_tokens, *, host_tokens=None,
+                            after=None, deadline_s: float | None = None,
+                            priority: int = 0) -> Transfer:
+        """:meth:`prefetch` from a thread without an event loop, as :meth:`evict_threadsafe`.
+
+        A ``host`` handle that is not a live allocation of this service (or whose release was
+        already posted) raises here; one released on the loop before the request gets there
+        fails the transfer (``UnknownHostPagesError``), as ``host_tokens`` outside live
+        allocations do. ``deadline_s`` counts from this call. Any thread but the loop's; does
+        not block (a short lock).
+        """
+        scheduler = self._running()
+        transfer, loop_producers = self._prepare_prefetch(
+            scheduler, host, device_tokens, host_tokens, after, deadline_s, priority,
+            _NOT_CAPTURED, on_loop=False)
+        check = HostCheck.ALLOCATED if host is None else HostCheck.HANDLE
+        self._inbox.post(PostedRequest(transfer._request, loop_producers, check, host))
+        return transfer
+
+    def release_threadsafe(self, host: HostPages) -> None:
+        """:meth:`release` from a thread without an event loop, without waiting for the loop.
+
+        Raises here (changing nothing) for a handle that is not a live allocation of this
+        service held by the caller, or whose release was already posted. The release reaches
+        the loop in the same batched hand-off as requests (after this thread's earlier
+        submissions); pages still used by a queued or running copy return to the pool once the
+        last such copy ends (never refused, since that could not raise here). From this call
+        on the handle is released: do not use it again. Any thread but the loop's.
+        """
+        scheduler = self._running()
+        if not isinstance(host, HostPages):
+            raise TypeError(f"expected HostPages, got {type(host).__name__}")
+        self._inbox.post_release(host, scheduler.check_releasable)
+
+    @property
+    def thread_wakeups(self) -> int:
+        """How many loop wake-ups the ``*_threadsafe`` methods have cost so far: one per batch
+        of hand-offs, not one per call (for tests and the bench). Any thread."""
+        return self._inbox.wakeups if self._inbox is not None else 0
+
+    def _accept_posted(self, posted: PostedRequest) -> None:
+        """Loop side of the ``*_threadsafe`` methods: accept a request prepared on a thread,
+        or end it (cancelled meanwhile; host pages that are not the caller's)."""
+        scheduler = self._scheduler
+        request = posted.request
+        request.renumber()  # queue order follows acceptance order
+        request.state = QUEUED
+        if request.deadline != NO_DEADLINE:  # posted as seconds from its submission
+            request.deadline += self._loop.time() - (time.perf_counter() - request.submitted_at)
+        error = None
+        try:
+            if posted.host_check is HostCheck.HANDLE:
+                scheduler.check_releasable(posted.handle)
+            elif posted.host_check is HostCheck.ALLOCATED:
+                self._pool.check_allocated(request.host_pages, name="host_tokens")
+        except UnknownHostPagesError as exc:
+            error = exc
+        if error is None and not request.cancel_requested:
+            self._accept(scheduler, request, posted.loop_producers)
+            return
+        scheduler.accept(request)  # through the page table, so that ending it retires it
+        if error is None:
+            scheduler.finish(request, CANCELLED)
+        else:
+            scheduler.finish(request, FAILED, error=error)
+
+    def _take_posted_release(self, host: HostPages) -> None:
+        scheduler = self._scheduler
+        scheduler.release_host_when_unused(host)
+        scheduler.schedule_flush()  # evictions waiting for space may go now; gauges follow
+
+    # --- the two halves of a submission ---------------------------------------------------
+
+    def _prepare_evict(self, scheduler: Scheduler, device_tokens, host_tokens, after: object,
+                       priority: int, captured: object, *, on_loop: bool
+                       ) -> tuple[Transfer, tuple[object, ...]]:
+        """Validate and prepare an eviction (see :meth:`_prepare`). Any thread."""
+        if host_tokens is None:
+            device_pages, padding = tokens_to_page_seq(
+                device_tokens, "device_tokens", self._device_token_bound, self._page_size_tokens)
+            if len(device_pages) > self._capacity_pages:
+                raise HostPoolExhausted(
+                    f"evict() of {len(device_pages)} pages can never fit: the host pool holds "
+                    f"{self._capacity_pages} pages in all; evict at most that many per "
+                    f"request (split it), or raise ServiceConfig.host_pool")
+            host_pages, owns = None, True
+        else:
+            host_pages, device_pages, padding = paired_page_seqs(
+                host_tokens, device_tokens, host_bound=self._host_token_bound,
+                device_bound=self._device_token_bound, page_size_tokens=self._page_size_tokens)
+            if on_loop:  # else the loop checks it when it accepts the request
+                self._pool.check_allocated(host_pages, name="host_tokens")
+            owns = False
+        return self._prepare(scheduler, D2H, device_pages, host_pages, owns,
+                             after, priority, NO_DEADLINE, padding, captured, on_loop)
+
+    def _prepare_prefetch(self, scheduler: Scheduler, host: HostPages | None, device_tokens,
+                          host_tokens, after: object, deadline_s: float | None, priority: int,
+                          captured: object, *, on_loop: bool
+                          ) -> tuple[Transfer, tuple[object, ...]]:
+        """Validate and prepare a prefetch (see :meth:`_prepare`). Any thread."""
         if host is not None and host_tokens is not None:
             raise IndexValueError("pass a HostPages handle or host_tokens=, not both")
         if host is None and host_tokens is None:
@@ -324,7 +450,13 @@ class OffloadService:
                     f"tensor is ambiguous (tokens or pages?): pass host_tokens=tensor instead")
             device_pages, padding = tokens_to_page_seq(
                 device_tokens, "device_tokens", self._device_token_bound, self._page_size_tokens)
-            self._pool.check_owned(host)
+            if on_loop:
+                self._pool.check_owned(host)
+            else:  # two lookups, safe off the loop; the loop checks again when it accepts
+                scheduler.check_releasable(host)
+                if self._inbox.release_posted(host):
+                    raise UnknownHostPagesError(f"{host!r} was released (from a thread); "
+                                                f"use a handle that is still held")
             if len(device_pages) != host.num_pages:
                 raise IndexValueError(
                     f"device_tokens cover {len(device_pages)} pages but {host!r} holds "
@@ -334,49 +466,67 @@ class OffloadService:
             host_pages, device_pages, padding = paired_page_seqs(
                 host_tokens, device_tokens, host_bound=self._host_token_bound,
                 device_bound=self._device_token_bound, page_size_tokens=self._page_size_tokens)
-            self._pool.check_allocated(host_pages, name="host_tokens")
+            if on_loop:  # else the loop checks it when it accepts the request
+                self._pool.check_allocated(host_pages, name="host_tokens")
         if deadline_s is None:
             deadline = NO_DEADLINE
         elif isinstance(deadline_s, (int, float)) and not isinstance(deadline_s, bool) and \
                 math.isfinite(deadline_s):
-            deadline = self._loop.time() + deadline_s
+            # On a thread, seconds from submission: the loop's clock is read on the loop.
+            deadline = self._loop.time() + deadline_s if on_loop else float(deadline_s)
         else:
             raise IndexValueError(f"deadline_s must be a finite number of seconds, got {deadline_s!r}")
-        return self._admit(scheduler, H2D, device_pages, host_pages, False,
-                           after, priority, deadline, padding)
+        return self._prepare(scheduler, H2D, device_pages, host_pages, False,
+                             after, priority, deadline, padding, captured, on_loop)
 
-    def _admit(self, scheduler: Scheduler, direction: Direction, device_pages: PageSeq,
-               host_pages: PageSeq | None, owns_host: bool,
-               after: object, priority: int, deadline: float, padding: int) -> Transfer:
+    def _prepare(self, scheduler: Scheduler, direction: Direction, device_pages: PageSeq,
+                 host_pages: PageSeq | None, owns_host: bool, after: object, priority: int,
+                 deadline: float, padding: int, captured: object, on_loop: bool
+                 ) -> tuple[Transfer, tuple[object, ...]]:
+        """The first half of a submission, on the submitting thread (the loop's or another):
+        check the priority and the queue bound, parse ``after=``, capture the default
+        producer, and build the request and its ``Transfer``. Raises, changing nothing; never
+        blocks. Returns the transfer and the loop producers :meth:`_accept` watches."""
         if type(priority) is not int and (isinstance(priority, bool)
                                           or not isinstance(priority, int)):
             raise IndexTypeError(f"priority must be an int, got {priority!r}")
-        if scheduler.queued_requests >= self._max_queued_requests:
+        queued = scheduler.queued_requests if on_loop else (
+            scheduler.queued_requests + len(self._inbox))  # what threads posted counts too
+        if queued >= self._max_queued_requests:
             raise QueueFullError(
-                f"{scheduler.queued_requests} requests are queued, the bound "
+                f"{queued} requests are queued, the bound "
                 f"(ServiceConfig.max_queued_requests) is {self.config.max_queued_requests}; "
                 f"await earlier transfers before submitting more, or raise the bound")
+        engine = self._engine
+        if engine is None:  # a thread that raced close()
+            raise ServiceClosedError("the service is closing or closed")
         producers = NO_PRODUCERS if after is None else parse_after(
-            after, engine=self._engine, scheduler=scheduler, loop=self._loop)
+            after, engine=engine, scheduler=scheduler, loop=self._loop)
         # Every copy also waits for the submitting thread's work so far (CUDA: its current
         # stream), captured here, on that thread, before any hand-off to the loop.
-        captured = self._captured
         if captured is _NOT_CAPTURED:
-            captured = self._engine.capture_producer()
+            captured = engine.capture_producer()
         engine_producers = producers.engine if captured is None else (captured, *producers.engine)
-        future = self._loop.create_future()
+        future = self._loop.create_future()  # only built here; resolved on the loop
         request = Request(direction, device_pages, host_pages, owns_host, engine_producers,
                           priority, deadline, padding,
                           len(device_pages) * scheduler.bytes_per_page, future)
-        transfer = Transfer(request, scheduler)
-        if request.num_pages == 0:  # an empty request is a no-op, not an error
-            scheduler.finish(request, DONE, result=TransferResult(
-                direction, 0, 0, padding, 0.0, None))
-            return transfer
+        if not on_loop:
+            request.state = POSTED
         if producers.deps:  # after those requests' copies, and only if they succeed
             request.deps = tuple((dep, True) for dep in producers.deps)
-        scheduler.accept(request, producers.loop)
-        return transfer
+        return Transfer(request, scheduler), producers.loop
+
+    @staticmethod
+    def _accept(scheduler: Scheduler, request: Request, loop_producers: tuple[object, ...]
+                ) -> None:
+        """The second half of a submission, on the loop: queue the prepared request (an empty
+        one ends at once, done). Does not block."""
+        if request.num_pages == 0:  # an empty request is a no-op, not an error
+            scheduler.finish(request, DONE, result=TransferResult(
+                request.direction, 0, 0, request.padding_tokens, 0.0, None))
+        else:
+            scheduler.accept(request, loop_producers)
 
     def release(self, host: HostPages) -> None:
         """Return host pages to the pool now. Raises ``PagesInFlightError`` (changing nothing)
