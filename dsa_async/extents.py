@@ -26,13 +26,18 @@ page except the free map's slice update, one ``memcpy`` of the run's length. Not
 
 from __future__ import annotations
 
-import bisect
+from bisect import bisect_left, insort
 from heapq import heapify, heappop, heappush
 
 #: A heap is rebuilt without its stale entries when it holds more than this many times its
 #: live extents (plus a few): memory stays proportional to the free extents.
 _STALE_FACTOR = 2
 _STALE_SLACK = 16
+
+#: Free-map values for short runs, made once (slicing a long buffer costs more than the copy).
+_SHORT_RUN = 65
+_ONES = tuple(b"\x01" * n for n in range(_SHORT_RUN))
+_ZEROS = tuple(bytes(n) for n in range(_SHORT_RUN))
 
 
 class ExtentAllocator:
@@ -90,7 +95,7 @@ class ExtentAllocator:
         ``None`` (changing nothing) if no free extent holds it."""
         assert num_pages > 0
         sizes = self._sizes
-        i = bisect.bisect_left(sizes, num_pages)
+        i = bisect_left(sizes, num_pages)
         if i == len(sizes):
             return None
         length = sizes[i]
@@ -116,8 +121,8 @@ class ExtentAllocator:
         """Return one run; the caller guarantees it is allocated (the pool checks page states)."""
         end = start + num_pages
         assert num_pages > 0 and 0 <= start and end <= self.capacity_pages
-        assert self._free_map.find(1, start, end) < 0, "overlaps a free extent"
-        self._free_map[start:end] = self._ones[:num_pages]
+        self._free_map[start:end] = (_ONES[num_pages] if num_pages < _SHORT_RUN
+                                     else self._ones[:num_pages])
         self.free_pages += num_pages
         by_start, by_end = self._by_start, self._by_end
         prev_start = by_end.pop(start, None)  # the free extent that ends where this run starts
@@ -160,7 +165,7 @@ class ExtentAllocator:
         if count is None:
             self._live[length] = 1
             self._heaps[length] = [start]
-            bisect.insort(self._sizes, length)
+            insort(self._sizes, length)
             return
         self._live[length] = count + 1
         heap = self._heaps[length]
@@ -181,14 +186,14 @@ class ExtentAllocator:
             return
         del self._live[length], self._heaps[length]
         sizes = self._sizes
-        del sizes[bisect.bisect_left(sizes, length)]
+        del sizes[bisect_left(sizes, length)]
 
     def _reindex(self, old_start: int, old_length: int, new_start: int, new_length: int) -> None:
         """Move one free extent in the size index: it changed its start or length."""
         live = self._live
         if live[old_length] == 1 and new_length not in live:
             sizes = self._sizes
-            j = bisect.bisect_left(sizes, old_length)
+            j = bisect_left(sizes, old_length)
             low, high = ((new_length, old_length) if new_length < old_length
                          else (old_length, new_length))
             if (j == 0 or sizes[j - 1] < low) and (j + 1 == len(sizes) or sizes[j + 1] > high):
@@ -198,8 +203,10 @@ class ExtentAllocator:
                 del live[old_length]
                 live[new_length] = 1
                 heaps = self._heaps
-                del heaps[old_length]
-                heaps[new_length] = [new_start]
+                heap = heaps.pop(old_length)  # its stale entries go with the old length
+                heap.clear()
+                heap.append(new_start)
+                heaps[new_length] = heap
                 return
         self._unindex(old_start, old_length)
         self._index(new_start, new_length)
@@ -216,5 +223,6 @@ class ExtentAllocator:
         else:
             del self._by_end[start + length]
             self._unindex(start, length)
-        self._free_map[start:start + num_pages] = self._zeros[:num_pages]
+        self._free_map[start:start + num_pages] = (_ZEROS[num_pages] if num_pages < _SHORT_RUN
+                                                   else self._zeros[:num_pages])
         self.free_pages -= num_pages
