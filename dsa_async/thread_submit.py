@@ -67,7 +67,7 @@ class ThreadInbox:
         self._accept = accept
         self._take_release = take_release
         self.items: collections.deque[PostedRequest | HostPages] = collections.deque()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # posters only (and close): never held by a drain
         self._scheduled = False  # a drain is in the loop's ready queue
         self._closed = False
         self._releasing: set[int] = set()  # allocation ids posted for release, not taken yet
@@ -87,8 +87,10 @@ class ThreadInbox:
 
     def post_release(self, handle: HostPages, check: Callable[[HostPages], None]) -> None:
         """Hand the release of ``handle`` to the loop, after ``check(handle)`` (which raises
-        for a handle that is not the caller's). The check and the loop's taking of earlier
-        releases exclude each other, so a handle can be posted for release once only."""
+        for a handle that is not the caller's). A handle can be posted for release once only:
+        posting threads check and post under the lock; the loop takes a release (the handle
+        stops being the caller's) before it forgets the posting, and a poster looks at the
+        postings before it checks the handle, so it always sees one or the other."""
         with self._lock:
             if handle.allocation_id in self._releasing:
                 raise UnknownHostPagesError(
@@ -121,9 +123,13 @@ class ThreadInbox:
     # --- loop thread ----------------------------------------------------------------------
 
     def drain(self) -> None:
-        """Take everything posted so far, in post order. Loop thread."""
-        with self._lock:
-            self._scheduled = False
+        """Take everything posted so far, in post order. Loop thread.
+
+        The loop never takes the lock here: a poster that had to wait for it would give up the
+        interpreter lock, and the two threads could then trade both locks once per item. A
+        poster appends before it reads the flag, and the flag is cleared before anything is
+        taken, so every item is taken by this drain or by the one its poster schedules."""
+        self._scheduled = False
         items = self.items
         while items:
             item = items.popleft()
@@ -131,11 +137,10 @@ class ThreadInbox:
                 if type(item) is PostedRequest:
                     self._accept(item)
                 else:
-                    with self._lock:  # excludes post_release's check (see there)
-                        try:
-                            self._take_release(item)
-                        finally:
-                            self._releasing.discard(item.allocation_id)
+                    try:
+                        self._take_release(item)
+                    finally:  # after taking it: see post_release
+                        self._releasing.discard(item.allocation_id)
             except Exception as exc:  # noqa: BLE001 - one broken item must not strand the rest
                 self._loop.call_exception_handler({
                     "message": f"dsa_async: taking {item!r} posted from a thread raised",
