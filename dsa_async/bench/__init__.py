@@ -10,6 +10,7 @@ from . import (  # noqa: F401 - registers them
     pool_scenarios,
     scale_scenarios,
     service_scenarios,
+    thread_scenarios,
 )
 from .registry import (
     SCENARIOS,

@@ -1,0 +1,70 @@
+"""The front door from a thread without an event loop, against the same work on the loop.
+
+Scenarios run on a worker thread that has no event loop (registry.py), the situation of a
+server's scheduler or forward-pass thread, so the thread rounds run right there.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from ..service import OffloadService
+from ..transfer.noop import NoopEngine
+from .registry import BenchContext, Comparison, Target, register_scenario, register_target
+from .service_scenarios import DEVICE_PAGES, bench_service, overhead_round_us, token_requests
+
+THREADSAFE_RATIO = register_target(Target(
+    "scheduler.threadsafe_overhead_ratio", Comparison.AT_MOST, 2.0, "",
+    "one thread without an event loop runs the scheduler.overhead_us_per_request workload "
+    "(1,000 evictions of 1-4 pages given as token tensors, no-op engine): submits them all "
+    "with evict_threadsafe, then waits for each (Transfer.wait) and releases its host pages "
+    "(release_threadsafe) from that thread, until the loop has taken the last release; "
+    "per-request wall time / the same workload on the loop, in interleaved pairs of rounds of "
+    "the same run; median of the per-pair ratios"))
+
+#: A bound on any single wait of the thread rounds: reached only if the service hangs.
+WAIT_BOUND_S = 60.0
+
+
+def thread_round_us(service: OffloadService, requests: list[torch.Tensor]) -> float:
+    """One round of the workload from the calling thread (no event loop on it): every
+    eviction submitted, then each waited for and its host pages released; wall time per
+    request (us), up to the loop having taken the last release."""
+    started = time.perf_counter()
+    transfers = [service.evict_threadsafe(tokens) for tokens in requests]
+    for transfer in transfers:
+        service.release_threadsafe(transfer.wait(WAIT_BOUND_S).host_pages)
+    # One round trip for the whole round: it runs after the loop took every release above.
+    service.call_threadsafe(service.statistics).result(WAIT_BOUND_S)
+    return (time.perf_counter() - started) / len(requests) * 1e6
+
+
+@register_scenario
+def threadsafe(ctx: BenchContext) -> dict[str, float]:
+    ctx.progress("threadsafe: the overhead workload from a thread without an event loop")
+    service, _ = bench_service(ctx, 4096, NoopEngine, DEVICE_PAGES)
+    requests = token_requests(1000, ctx.seed)
+    ctx.run_on_loop(service.start())
+    try:
+        ratios, loop_us, thread_us = [], [], []
+        wakeups_before = service.thread_wakeups
+        for round_ in range(max(ctx.pairs, 5) + 1):
+            on_loop = ctx.run_on_loop(overhead_round_us(service, requests))
+            from_thread = thread_round_us(service, requests)
+            if round_:  # the first pair warms allocators and caches
+                ratios.append(from_thread / on_loop)
+                loop_us.append(on_loop)
+                thread_us.append(from_thread)
+        stats = service.call_threadsafe(service.statistics).result(WAIT_BOUND_S)
+        if stats.used_pages:
+            raise AssertionError(f"{stats.used_pages} host pages still held after the rounds")
+        wakeups = service.thread_wakeups - wakeups_before
+    finally:
+        ctx.run_on_loop(service.close())
+    ctx.progress(f"threadsafe: {statistics.median(thread_us):.1f} us per request from the "
+                 f"thread, {statistics.median(loop_us):.1f} us on the loop; "
+                 f"{wakeups} loop wake-ups for {(len(ratios) + 1) * 2 * len(requests)} hand-offs")
+    return {THREADSAFE_RATIO.name: statistics.median(ratios)}
