@@ -327,8 +327,9 @@ class OffloadService:
         The prepared request reaches the loop in a batch with other threads' (thread_submit.py).
         Whether ``host_tokens`` lie in live allocations is checked on the loop (the pool is
         the loop's): if not, the transfer fails with ``UnknownHostPagesError``. Wait with
-        ``Transfer.wait(timeout_s)``, ``wait_layer`` or poll ``done()``. Any thread but the
-        loop's; does not block (a short lock).
+        ``Transfer.wait(timeout_s)``, ``wait_layer`` or poll ``done()``. Safe on any thread,
+        meant for threads without an event loop (on the loop, :meth:`evict` queues at once);
+        does not block (a short lock).
         """
         scheduler = self._running()
         transfer, loop_producers = self._prepare_evict(
@@ -345,8 +346,8 @@ class OffloadService:
         A ``host`` handle that is not a live allocation of this service (or whose release was
         already posted) raises here; one released on the loop before the request gets there
         fails the transfer (``UnknownHostPagesError``), as ``host_tokens`` outside live
-        allocations do. ``deadline_s`` counts from this call. Any thread but the loop's; does
-        not block (a short lock).
+        allocations do. ``deadline_s`` counts from this call, on the loop's clock. Safe on
+        any thread; does not block (a short lock).
         """
         scheduler = self._running()
         transfer, loop_producers = self._prepare_prefetch(
@@ -364,7 +365,8 @@ class OffloadService:
         the loop in the same batched hand-off as requests (after this thread's earlier
         submissions); pages still used by a queued or running copy return to the pool once the
         last such copy ends (never refused, since that could not raise here). From this call
-        on the handle is released: do not use it again. Any thread but the loop's.
+        on the handle is released: do not use it again. Safe on any thread; does not block
+        (a short lock).
         """
         scheduler = self._running()
         if not isinstance(host, HostPages):
@@ -453,6 +455,8 @@ class OffloadService:
             if on_loop:
                 self._pool.check_owned(host)
             else:  # two lookups, safe off the loop; the loop checks again when it accepts
+                if self._engine is None:  # a thread that raced close(): the pool may be gone
+                    raise ServiceClosedError("the service is closing or closed")
                 scheduler.check_releasable(host)
                 if self._inbox.release_posted(host):
                     raise UnknownHostPagesError(f"{host!r} was released (from a thread); "

@@ -92,6 +92,7 @@ class ThreadInbox:
         stops being the caller's) before it forgets the posting, and a poster looks at the
         postings before it checks the handle, so it always sees one or the other."""
         with self._lock:
+            self._check_open()  # first: once closing, the pool may be gone
             if handle.allocation_id in self._releasing:
                 raise UnknownHostPagesError(
                     f"{handle!r} was already released (from a thread; its pages return to the "
@@ -104,11 +105,14 @@ class ThreadInbox:
         """Whether the release of ``handle`` was posted and not taken yet (one set lookup)."""
         return handle.allocation_id in self._releasing
 
-    def _append(self, item: PostedRequest | HostPages) -> None:
-        """With the lock held."""
+    def _check_open(self) -> None:
         if self._closed:
             raise ServiceClosedError("the service is closing or closed; it takes no more "
                                      "requests or releases from threads")
+
+    def _append(self, item: PostedRequest | HostPages) -> None:
+        """With the lock held."""
+        self._check_open()
         self.items.append(item)
         if self._scheduled:
             return

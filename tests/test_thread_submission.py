@@ -282,6 +282,21 @@ async def test_one_threads_requests_are_accepted_in_the_order_it_submitted_them(
         service.release(held)
 
 
+async def test_a_deadline_given_on_a_thread_counts_from_the_submit_on_the_loops_clock(tmp_path):
+    service, _ = make_service(tmp_path, layers=LAYERS, host_pages=8, device_pages=8)
+    async with service, asyncio.timeout(BOUND_S):
+        held = service.allocate_host_pages(1)
+        loop = asyncio.get_running_loop()
+        submitted_at = loop.time()
+        load = while_the_loop_is_blocked(
+            lambda: service.prefetch_threadsafe(held, tokens([1]), deadline_s=100.0))
+        await in_thread(lambda: None)  # the loop took the load
+        deadline = load._request.deadline  # the queue orders prefetches by it
+        assert submitted_at + 100.0 - 1.0 <= deadline <= loop.time() + 100.0
+        await load
+        service.release(held)
+
+
 # --- waits, polls and timeouts ----------------------------------------------------------------
 
 
