@@ -20,7 +20,7 @@ from ..geometry import dsa_indexer
 from ..pages import page_tokens
 from ..service import OffloadService
 from ..transfer.noop import NoopEngine
-from .measure import MIN_PAIRS, median_pair_ratio
+from .measure import MIN_PAIRS
 from .registry import BenchContext, Comparison, Target, register_scenario, register_target
 from .runner import MIN_FIGURE_BYTES
 from .service_scenarios import DEVICE_PAGES, bench_service, overhead_round_us, token_requests
@@ -35,13 +35,14 @@ FRAGMENTED = register_target(Target(
     "scheduler.fragmented_us_per_request", Comparison.AT_MOST, 20.0, "us",
     "the scheduler.overhead_us_per_request workload on a 1-layer indexer pool of 262,144 pages "
     "in which pages are held in 4-page handles alternating with 4-page holes (32,768 holes, "
-    "each fits any request of the workload); median of the 5 fragmented rounds of "
+    "each fits any request of the workload); median of the 15 fragmented rounds of "
     "scheduler.fragmented_overhead_ratio"))
 FRAGMENTED_RATIO = register_target(Target(
     "scheduler.fragmented_overhead_ratio", Comparison.AT_MOST, 1.5, "x",
     "scheduler.fragmented_us_per_request / the same workload on the same pool with nothing "
-    "held: 5 interleaved pairs of rounds in the same run (the pool empty, then fragmented "
-    "afresh), after one warm-up round; median of per-pair ratios"))
+    "held, in the same run: 5 interleaved pairs (3 rounds with the pool empty, then 3 with it "
+    "fragmented afresh), after one warm-up round; per pair the ratio of the median rounds; "
+    "median of the pairs"))
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,9 @@ TINY_SIZES = ScaleSizes(scattered_host_pages=1_024, scattered_device_pages=256,
 #: Pairs of rounds for the fragmentation figures, whatever ``ctx.pairs`` says: fragmenting
 #: the pool again for each pair (65,536 allocations) costs ~1 s, far more than the rounds.
 FRAGMENTED_PAIRS = MIN_PAIRS
+#: Rounds of each state per pair: a pair compares the median round of each, so one round that
+#: other work on the machine slowed does not decide the pair.
+ROUNDS_PER_STATE = 3
 
 
 def _scattered_requests(sizes: ScaleSizes, page_size_tokens: int, seed: int
@@ -111,23 +115,33 @@ def _fragment(service: OffloadService, run_pages: int) -> list:
     return held
 
 
+async def _rounds_us(service: OffloadService, requests: list[torch.Tensor]) -> list[float]:
+    """``ROUNDS_PER_STATE`` overhead rounds, each after a collection of the previous garbage."""
+    rounds = []
+    for _ in range(ROUNDS_PER_STATE):
+        gc.collect()
+        rounds.append(await overhead_round_us(service, requests))
+    return rounds
+
+
 async def _fragmented_figures(ctx: BenchContext, sizes: ScaleSizes) -> dict[str, float]:
     service, _ = bench_service(ctx, sizes.fragmented_pool_pages, NoopEngine, DEVICE_PAGES,
                                dsa_indexer(num_layers=1))
     requests = token_requests(1000, ctx.seed)
-    empty_us, fragmented_us = [], []
+    empty_us, fragmented_us, ratios = [], [], []
     async with service:
         await overhead_round_us(service, requests)  # warms allocators and caches
         for _ in range(FRAGMENTED_PAIRS):
-            gc.collect()  # garbage of the previous step is not this round's cost
-            empty_us.append(await overhead_round_us(service, requests))
+            empty = await _rounds_us(service, requests)
             held = _fragment(service, sizes.fragmented_run_pages)
-            gc.collect()
-            fragmented_us.append(await overhead_round_us(service, requests))
+            fragmented = await _rounds_us(service, requests)
             for handle in held:
                 service.release(handle)
+            empty_us += empty
+            fragmented_us += fragmented
+            ratios.append(statistics.median(fragmented) / statistics.median(empty))
     return {FRAGMENTED.name: statistics.median(fragmented_us),
-            FRAGMENTED_RATIO.name: median_pair_ratio(fragmented_us, empty_us)}
+            FRAGMENTED_RATIO.name: statistics.median(ratios)}
 
 
 @register_scenario
