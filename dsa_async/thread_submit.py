@@ -66,7 +66,7 @@ class ThreadInbox:
         self._loop = loop
         self._accept = accept
         self._take_release = take_release
-        self.items: collections.deque[PostedRequest | HostPages] = collections.deque()
+        self._items: collections.deque[PostedRequest | HostPages] = collections.deque()
         self._lock = threading.Lock()  # posters only (and close): never held by a drain
         self._scheduled = False  # a drain is in the loop's ready queue
         self._closed = False
@@ -75,7 +75,7 @@ class ThreadInbox:
         self.wakeups = 0
 
     def __len__(self) -> int:
-        return len(self.items)
+        return len(self._items)
 
     # --- any thread -----------------------------------------------------------------------
 
@@ -113,13 +113,13 @@ class ThreadInbox:
     def _append(self, item: PostedRequest | HostPages) -> None:
         """With the lock held."""
         self._check_open()
-        self.items.append(item)
+        self._items.append(item)
         if self._scheduled:
             return
         try:
             self._loop.call_soon_threadsafe(self.drain)
         except RuntimeError:  # the loop is closed: nobody is left to take it
-            self.items.pop()
+            self._items.pop()
             raise ServiceClosedError("the service's event loop is closed") from None
         self._scheduled = True
         self.wakeups += 1
@@ -134,7 +134,7 @@ class ThreadInbox:
         poster appends before it reads the flag, and the flag is cleared before anything is
         taken, so every item is taken by this drain or by the one its poster schedules."""
         self._scheduled = False
-        items = self.items
+        items = self._items
         while items:
             item = items.popleft()
             try:
