@@ -274,9 +274,9 @@ class Transfer:
         # A failed transfer nobody looked at is reported once, by the service's logger (the
         # service's own futures never reach asyncio's "exception was never retrieved").
         request = self._request
-        future = request.future
         if request.observed:
             return
+        future = request.future
         if not future.done():
             request.dropped = True  # reported when it ends, if it fails (Request.report_failure)
         elif not future.cancelled():

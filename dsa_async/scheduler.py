@@ -227,8 +227,8 @@ class Scheduler:
         solo_producers = self.engine.producer_waits_can_fail
         shared: list[Request] = []
         for request in requests:
-            if (request.after and solo_producers) or any(
-                    needs_data and dep.state is SUBMITTED for dep, needs_data in request.deps):
+            if (request.after and solo_producers) or (request.deps and any(
+                    needs_data and dep.state is SUBMITTED for dep, needs_data in request.deps)):
                 self._submit_batch(direction, [request])
             else:
                 shared.append(request)
@@ -339,7 +339,8 @@ class Scheduler:
             # service's to free (never the caller's), once no copy reads them.
             self._orphans.append(request.host_handle)
             self._orphan_ids.add(request.host_handle.allocation_id)
-        self._free_orphans()  # this request may have been the last reader of orphaned pages
+        if self._orphans:  # this request may have been the last reader of orphaned pages
+            self._free_orphans()
         future = request.future
         if outcome is DONE:
             future.set_result(result)
@@ -372,7 +373,8 @@ class Scheduler:
             self._check_idle()
         # Whatever waited for this request (a dependency, its pages) may go now; also when it
         # ended inside a flush pass that chose nothing else (that pass made progress too).
-        self.schedule_flush()
+        if self._flush_handle is None:
+            self._flush_handle = self.loop.call_soon(self._flush)
 
     def _check_idle(self) -> None:
         if not self._batches and not self.queues[D2H] and not self.queues[H2D]:
