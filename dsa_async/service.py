@@ -426,14 +426,22 @@ class OffloadService:
                     f"request (split it), or raise ServiceConfig.host_pool")
             host_pages, owns = None, True
         else:
-            host_pages, device_pages, padding = paired_page_seqs(
-                host_tokens, device_tokens, host_bound=self._host_token_bound,
-                device_bound=self._device_token_bound, page_size_tokens=self._page_size_tokens)
-            if on_loop:  # else the loop checks it when it accepts the request
-                self._pool.check_allocated(host_pages, name="host_tokens")
+            host_pages, device_pages, padding = self._paired(host_tokens, device_tokens, on_loop)
             owns = False
         return self._prepare(scheduler, D2H, device_pages, host_pages, owns,
                              after, priority, NO_DEADLINE, padding, captured, on_loop)
+
+    def _paired(self, host_tokens, device_tokens, on_loop: bool
+                ) -> tuple[PageSeq, PageSeq, int]:
+        """Host and device pages of explicit token pairs, checked to share in-page offsets;
+        on the loop also that the host pages lie in live allocations (from a thread the loop
+        checks that when it accepts the request). Any thread."""
+        host_pages, device_pages, padding = paired_page_seqs(
+            host_tokens, device_tokens, host_bound=self._host_token_bound,
+            device_bound=self._device_token_bound, page_size_tokens=self._page_size_tokens)
+        if on_loop:
+            self._pool.check_allocated(host_pages, name="host_tokens")
+        return host_pages, device_pages, padding
 
     def _prepare_prefetch(self, scheduler: Scheduler, host: HostPages | None, device_tokens,
                           host_tokens, after: object, deadline_s: float | None, priority: int,
@@ -467,11 +475,7 @@ class OffloadService:
                     f"{host.num_pages}; a prefetch pairs them page by page in order")
             host_pages = host.page_seq
         else:
-            host_pages, device_pages, padding = paired_page_seqs(
-                host_tokens, device_tokens, host_bound=self._host_token_bound,
-                device_bound=self._device_token_bound, page_size_tokens=self._page_size_tokens)
-            if on_loop:  # else the loop checks it when it accepts the request
-                self._pool.check_allocated(host_pages, name="host_tokens")
+            host_pages, device_pages, padding = self._paired(host_tokens, device_tokens, on_loop)
         if deadline_s is None:
             deadline = NO_DEADLINE
         elif isinstance(deadline_s, (int, float)) and not isinstance(deadline_s, bool) and \

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import torch
 
 from dsa_async.config import PoolSize, ServiceConfig
 from dsa_async.geometry import dsa_indexer, mla_kv
 from dsa_async.service import OffloadService
+from dsa_async.transfer.cpu import CpuEngine
 
 PAGE = 64
 
@@ -16,6 +19,18 @@ def make_buffers(geometry, device_pages: int, *, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(0, 256, (device_pages, geometry.bytes_per_page_per_layer),
                           dtype=torch.uint8, generator=gen) for _ in range(geometry.num_layers)]
+
+
+class CaptureRecordingEngine(CpuEngine):
+    """A CPU engine that records on which thread each default producer is captured."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.captured_on: list[int] = []
+
+    def capture_producer(self):
+        self.captured_on.append(threading.get_ident())
+        return None
 
 
 def offset_layers(geometry, device_pages: int, offset_bytes: int, gap_bytes: int | None,

@@ -14,14 +14,13 @@ import threading
 
 import pytest
 import torch
-from service_fixtures import make_buffers, make_service, page_bytes, tokens
+from service_fixtures import CaptureRecordingEngine, make_buffers, make_service, tokens
 
 from dsa_async.config import PoolSize, ServiceConfig
 from dsa_async.errors import TransferFailedError
 from dsa_async.geometry import dsa_indexer
 from dsa_async.kinds import Direction
 from dsa_async.service import OffloadService
-from dsa_async.transfer.cpu import CpuEngine
 
 BOUND_S = 10
 LAYERS = 3
@@ -232,27 +231,17 @@ async def test_a_failed_transfer_nobody_looked_at_is_logged_once_by_the_service(
     assert len(lines) == 1 and "producer crashed" in lines[0].getMessage()
 
 
-class _RecordingEngine(CpuEngine):
-    """A CPU engine that records on which thread each default producer is captured."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.captured_on: list[int] = []
-
-    def capture_producer(self):
-        self.captured_on.append(threading.get_ident())
-        return None
-
-
+@pytest.mark.parametrize("path", ["call_threadsafe", "threadsafe-methods"])
 @pytest.mark.parametrize("direction", ["evict", "prefetch"])
-async def test_the_default_producer_is_captured_on_the_submitting_thread(tmp_path, direction):
+async def test_the_default_producer_is_captured_on_the_submitting_thread(tmp_path, direction,
+                                                                         path):
     geometry = dsa_indexer(num_layers=LAYERS)
     config = ServiceConfig(geometries=(geometry,), host_pool=PoolSize(pages=8), backend="cpu",
                            ledger_directory=str(tmp_path / "ledger"))
-    engines: list[_RecordingEngine] = []
+    engines: list[CaptureRecordingEngine] = []
 
     def factory(*args, **kwargs):
-        engines.append(_RecordingEngine(*args, **kwargs))
+        engines.append(CaptureRecordingEngine(*args, **kwargs))
         return engines[0]
 
     service = OffloadService(config, make_buffers(geometry, 8), engine_factory=factory)
@@ -261,20 +250,24 @@ async def test_the_default_producer_is_captured_on_the_submitting_thread(tmp_pat
         loop_thread = threading.get_ident()
         engines[0].captured_on.clear()
 
-        def submit() -> tuple[int, object]:
-            if direction == "evict":
-                future = service.call_threadsafe(service.evict, tokens([1]),
-                                                 host_tokens=held.token_indices())
+        def submit() -> int:
+            evict = direction == "evict"
+            if path == "threadsafe-methods":
+                transfer = (service.evict_threadsafe(tokens([1]), host_tokens=held.token_indices())
+                            if evict else service.prefetch_threadsafe(held, tokens([1])))
             else:
-                future = service.call_threadsafe(service.prefetch, held, tokens([1]))
-            return threading.get_ident(), future.result(BOUND_S)
+                transfer = (service.call_threadsafe(service.evict, tokens([1]),
+                                                    host_tokens=held.token_indices())
+                            if evict else service.call_threadsafe(service.prefetch, held,
+                                                                  tokens([1]))).result(BOUND_S)
+            transfer.wait(timeout_s=BOUND_S)
+            return threading.get_ident()
 
-        caller, transfer = await asyncio.to_thread(submit)
-        await transfer
+        caller = await asyncio.to_thread(submit)
         assert engines[0].captured_on == [caller] and caller != loop_thread
-        service.evict(tokens([2]), host_tokens=held.token_indices())  # on the loop: the loop
+        await service.evict(tokens([2]), host_tokens=held.token_indices())  # on the loop
         assert engines[0].captured_on[-1] == loop_thread
-        await asyncio.sleep(0.05)
+        service.release(held)
 
 
 async def test_loop_producers_leave_nothing_behind_once_their_requests_end(tmp_path):

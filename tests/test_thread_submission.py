@@ -22,19 +22,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from service_fixtures import make_buffers, make_service, page_bytes, tokens
+from service_fixtures import make_service, page_bytes, tokens
 
 from dsa_async.bench import thread_scenarios
 from dsa_async.bench.measure import MIN_PAIRS
 from dsa_async.bench.runner import BenchConfig, run_bench
-from dsa_async.config import PoolSize, ServiceConfig
 from dsa_async.errors import (HostPoolExhausted, IndexTypeError, IndexValueError,
                               PageAlignmentError, QueueFullError, ServiceClosedError,
                               UnknownHostPagesError)
-from dsa_async.geometry import dsa_indexer
 from dsa_async.kinds import Backend
-from dsa_async.service import OffloadService
-from dsa_async.transfer.cpu import CpuEngine
 
 BOUND_S = 10
 LAYERS = 3
@@ -401,22 +397,6 @@ async def test_a_burst_of_submissions_from_a_thread_costs_the_loop_one_wake_up(t
         assert service.statistics().used_pages == 0
 
 
-async def test_a_thread_submitting_while_the_loop_runs_wakes_it_far_less_than_per_request(tmp_path):
-    service, _ = make_service(tmp_path, layers=1, host_pages=1024, device_pages=24)
-    async with service, asyncio.timeout(6 * BOUND_S):  # 1,000 copies on a shared machine
-        before = service.thread_wakeups
-
-        def submit_wait_release():
-            transfers = [service.evict_threadsafe(tokens([i % 24])) for i in range(1000)]
-            for transfer in transfers:
-                service.release_threadsafe(transfer.wait(timeout_s=BOUND_S).host_pages)
-
-        await in_thread(submit_wait_release, 6 * BOUND_S)
-        wakeups = service.thread_wakeups - before
-        assert wakeups <= 2000 // 4, f"{wakeups} wake-ups for 2,000 hand-offs"
-        assert service.statistics().used_pages == 0
-
-
 # --- release from a thread ------------------------------------------------------------------
 
 
@@ -455,51 +435,6 @@ async def test_a_handle_can_be_released_from_threads_once(tmp_path):
         assert service.statistics().used_pages == 0
         with pytest.raises(UnknownHostPagesError):
             await in_thread(lambda: service.release_threadsafe(handle))
-
-
-# --- producers are captured on the submitting thread ----------------------------------------
-
-
-class _RecordingEngine(CpuEngine):
-    """A CPU engine that records on which thread each default producer is captured."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.captured_on: list[int] = []
-
-    def capture_producer(self):
-        self.captured_on.append(threading.get_ident())
-        return None
-
-
-@pytest.mark.parametrize("direction", ["evict", "prefetch"])
-async def test_the_default_producer_is_captured_on_the_submitting_thread(tmp_path, direction):
-    geometry = dsa_indexer(num_layers=LAYERS)
-    config = ServiceConfig(geometries=(geometry,), host_pool=PoolSize(pages=8), backend="cpu",
-                           ledger_directory=str(tmp_path / "ledger"))
-    engines: list[_RecordingEngine] = []
-
-    def factory(*args, **kwargs):
-        engines.append(_RecordingEngine(*args, **kwargs))
-        return engines[0]
-
-    service = OffloadService(config, make_buffers(geometry, 8), engine_factory=factory)
-    async with service, asyncio.timeout(BOUND_S):
-        held = service.allocate_host_pages(1)
-        loop_thread = threading.get_ident()
-        engines[0].captured_on.clear()
-
-        def submit() -> int:
-            if direction == "evict":
-                transfer = service.evict_threadsafe(tokens([1]), host_tokens=held.token_indices())
-            else:
-                transfer = service.prefetch_threadsafe(held, tokens([1]))
-            transfer.wait(timeout_s=BOUND_S)
-            return threading.get_ident()
-
-        caller = await in_thread(submit)
-        assert engines[0].captured_on == [caller] and caller != loop_thread
-        service.release(held)
 
 
 # --- close ----------------------------------------------------------------------------------
