@@ -12,7 +12,6 @@ host pages it allocated (unless it succeeded), in-flight bytes.
 from __future__ import annotations
 
 import asyncio
-import functools
 import inspect
 import logging
 import math
@@ -26,9 +25,9 @@ from .hazards import HazardTable
 from .host_pool import HostPages, HostPool
 from .kinds import CANCELLED, D2H, DONE, FAILED, H2D, Direction, Outcome, Timeliness
 from .liveness import check_liveness
+from .loop_producers import LoopProducerWatches
 from .metrics import ServiceMetrics
 from .page_seq import concat_pages
-from .producers import producer_error
 from .request import FINISHED, QUEUED, SUBMITTED, Request, TransferResult, report_unobserved
 from .transfer.base import TransferEngine
 from .transfer.batch import BatchHandle, CopyBatch, Dependency
@@ -71,8 +70,8 @@ class Scheduler:
         self._batches: dict[BatchHandle, list[Request]] = {}
         self._host_wait_since: dict[Request, float] = {}
         self._pending_layers: dict[Request, list[tuple[int, asyncio.Future]]] = {}
-        #: request -> (future, callback, made by the service) for its unfinished loop producers
-        self._loop_watches: dict[Request, list] = {}
+        #: requests held on the loop until their asyncio producers end
+        self._loop_watches = LoopProducerWatches(self.schedule_flush, self._fail_for_producer)
         self._orphans: list = []  # host pages to free once the copies still reading them end
         self._orphan_ids: set[int] = set()  # their allocation ids: not the caller's to release
         self._pressure_tasks: set[asyncio.Task] = set()
@@ -101,7 +100,7 @@ class Scheduler:
         queue.append(request)
         self._idle.clear()
         if loop_producers:
-            self._watch_loop_producers(request, loop_producers)  # may end it (a failed one)
+            self._loop_watches.watch(request, loop_producers)  # may end it (a failed one)
         self.schedule_flush()  # the flush also publishes the queue depth
 
     def schedule_flush(self) -> None:
@@ -354,7 +353,7 @@ class Scheduler:
         else:
             future.cancel()
         if self._loop_watches:
-            self._stop_watching_loop_producers(request)
+            self._loop_watches.stop(request)
         if request.waiters:
             for waiter in request.waiters:
                 if not waiter.done():
@@ -500,41 +499,6 @@ class Scheduler:
                           classify: Callable[[bool, float], None]) -> None:
         self.engine.wait_layer(handle, layer, timeout_s, classify)
 
-    # --- loop producers -------------------------------------------------------------------
-
-    def _watch_loop_producers(self, request: Request, producers: tuple[object, ...]) -> None:
-        watches = []
-        for producer in producers:
-            owned = isinstance(producer, asyncio.Event)
-            if owned:
-                if producer.is_set():
-                    continue
-                producer = asyncio.ensure_future(producer.wait())  # noqa: PLW2901 - its task
-            elif producer.done():
-                failure = producer_error(producer)
-                if failure is not None:
-                    self._fail_for_producer(request, producer, failure)
-                    self._stop_watching(watches)
-                    return
-                continue
-            callback = functools.partial(self._loop_producer_done, request)
-            producer.add_done_callback(callback)
-            watches.append((producer, callback, owned))
-        if watches:
-            request.loop_waits = len(watches)
-            self._loop_watches[request] = watches
-
-    def _loop_producer_done(self, request: Request, producer: asyncio.Future) -> None:
-        if request.state is not QUEUED:
-            return
-        request.loop_waits -= 1
-        failure = producer_error(producer)
-        if failure is not None:
-            self._fail_for_producer(request, producer, failure)
-        elif not request.loop_waits:
-            del self._loop_watches[request]  # every producer ended: nothing left to stop
-            self.schedule_flush()
-
     def _fail_for_producer(self, request: Request, producer: object,
                            failure: BaseException) -> None:
         error = TransferFailedError(
@@ -542,17 +506,6 @@ class Scheduler:
             f"{producer!r} {'was cancelled' if isinstance(failure, asyncio.CancelledError) else 'failed'}")
         error.__cause__ = failure
         self.finish(request, FAILED, error=error)
-
-    def _stop_watching_loop_producers(self, request: Request) -> None:
-        request.loop_waits = 0
-        self._stop_watching(self._loop_watches.pop(request, ()))
-
-    @staticmethod
-    def _stop_watching(watches) -> None:
-        for producer, callback, owned in watches:
-            producer.remove_done_callback(callback)
-            if owned:  # the task this service made to wait for an asyncio.Event
-                producer.cancel()
 
     def record_layers(self, timeliness: Timeliness, layers: int, waited_s: float | None = None
                       ) -> None:

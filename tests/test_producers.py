@@ -281,7 +281,7 @@ async def test_loop_producers_leave_nothing_behind_once_their_requests_end(tmp_p
         await asyncio.sleep(0)
         assert gone.cancel() and done.cancel()
         await asyncio.sleep(0)  # the service's own waits on the events are cancelled
-        assert service._scheduler._loop_watches == {}
+        assert len(service._scheduler._loop_watches) == 0
         waits = [t for t in asyncio.all_tasks() if "Event.wait" in repr(t)]
         assert waits == []
         ok = service.evict(tokens([2]), after=fired)  # already finished: goes at once
@@ -290,4 +290,4 @@ async def test_loop_producers_leave_nothing_behind_once_their_requests_end(tmp_p
         waited = service.evict(tokens([3]), after=later)  # watched, then every producer fires
         later.set_result(None)
         service.release((await waited).host_pages)
-        assert service._scheduler._loop_watches == {}
+        assert len(service._scheduler._loop_watches) == 0
