@@ -4,6 +4,7 @@ once, and per-layer readiness in layer order."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from dsa_async.host_pool import HostPool
 from dsa_async.kinds import Direction
 from dsa_async.transfer.batch import CopyBatch, Dependency
 from dsa_async.transfer.buffers import bind_pool
+from dsa_async.transfer.copyplan import measure_fused_for_short_runs
 from dsa_async.transfer.cpu import CpuEngine
 from dsa_async.transfer.handoff import LoopHandoff
 
@@ -144,3 +146,50 @@ def test_the_one_run_plan_is_the_general_plan(monkeypatch):
     assert fast.runs.tolist() == general.runs.tolist() and fast.mode is general.mode
     assert [(s.host_start, s.num_pages, s.device_start, s.device_index) for s in fast.segments] \
         == [(s.host_start, s.num_pages, s.device_start, s.device_index) for s in general.segments]
+
+
+@pytest.mark.parametrize("fused_for_short_runs", [True, False])
+@pytest.mark.parametrize("layout", list(HostLayout), ids=lambda x: x.value)
+async def test_both_copy_paths_of_a_fused_view_are_byte_exact(layout, fused_for_short_runs):
+    """Whichever path the start-up measurement picks for scattered pages moves the same bytes."""
+    done = []
+    engine, device = _engine(layout, True, 7, True, done)
+    engine.bindings = {n: dataclasses.replace(b, fused_for_short_runs=fused_for_short_runs)
+                       for n, b in engine.bindings.items()}
+    rng = np.random.default_rng(5)
+    try:
+        async with asyncio.timeout(60):
+            for n in (1, 9, 20):
+                host_pages = rng.choice(HOST_PAGES, n, replace=False).astype(np.int64)
+                device_pages = rng.choice(DEVICE_PAGES, n, replace=False).astype(np.int64)
+                targets = rng.permutation(np.setdiff1d(np.arange(DEVICE_PAGES), device_pages))
+                targets = targets[:n].astype(np.int64)
+                index = torch.from_numpy(device_pages)
+                expected = {k: [t[index].clone() for t in v] for k, v in device.items()}
+                backup = engine.submit(CopyBatch(Direction.D2H, host_pages, device_pages))
+                load = engine.submit(CopyBatch(Direction.H2D, host_pages, targets,
+                                               deps=(Dependency(backup, True),)))
+                await asyncio.to_thread(load.done.wait)
+                assert backup.error is None and load.error is None
+                for name, layers_ in device.items():
+                    for j, layer in enumerate(layers_):
+                        assert torch.equal(layer[torch.from_numpy(targets)], expected[name][j])
+    finally:
+        await asyncio.to_thread(engine.close)
+
+
+@pytest.mark.parametrize("layout", list(HostLayout), ids=lambda x: x.value)
+def test_measuring_the_fused_copy_path_changes_no_device_or_host_byte(layout):
+    geometry = dsa_indexer(num_layers=5, host_layout=layout)
+    pool = HostPool.create([geometry], HOST_PAGES)
+    pool.arenas[geometry.name].view(-1).random_(0, 256)
+    gen = torch.Generator().manual_seed(3)
+    layers = _device(geometry, True, gen)
+    binding = bind_pool(geometry, pool.arenas[geometry.name], layers)
+    device_before = torch.stack(layers).clone()
+    arena_before = pool.arenas[geometry.name].clone()
+    assert measure_fused_for_short_runs(binding) in (True, False)
+    assert torch.equal(torch.stack(layers), device_before)
+    assert torch.equal(pool.arenas[geometry.name], arena_before)
+    separate = bind_pool(geometry, pool.arenas[geometry.name], [t.clone() for t in layers])
+    assert separate.device_fused is None and measure_fused_for_short_runs(separate) is False

@@ -46,6 +46,13 @@ RANDOM_3D = register_target(Target(
     f"as copy.random but the per-layer device tensors are views of one 3-D allocation: "
     f"{_ROUND_TRIP}",
 ))
+RANDOM_3D_OVER_RANDOM = register_target(Target(
+    "copy.random3d_over_random", Comparison.AT_LEAST, 0.9, "x",
+    "copy.random3d.ratio_to_contiguous / copy.random.ratio_to_contiguous, measured directly: "
+    "the same page pairs through two engines, one with separate per-layer device tensors and "
+    "one with views of one 3-D allocation (its copy path as chosen at engine start), their "
+    "round trips timed in interleaved pairs; median of separate_s / fused_s",
+))
 TOKEN = register_target(Target(
     "copy.random.speedup_vs_token_baseline", Comparison.AT_LEAST, 1.5, "x",
     "the copy.random round trip vs the token-granular path on the same pages (per layer: "
@@ -92,3 +99,15 @@ def copy_extents3d(ctx: BenchContext) -> dict[str, float]:
 @register_scenario
 def copy_random3d(ctx: BenchContext) -> dict[str, float]:
     return _ratio_to_contiguous(ctx, PagePattern.RANDOM, DeviceLayout.FUSED, RANDOM_3D)
+
+
+@register_scenario
+def copy_random3d_over_random(ctx: BenchContext) -> dict[str, float]:
+    with CopyRig(ctx, PagePattern.RANDOM, DeviceLayout.SEPARATE) as separate, \
+            CopyRig(ctx, PagePattern.RANDOM, DeviceLayout.FUSED) as fused:
+        ctx.progress(f"{RANDOM_3D_OVER_RANDOM.name}: {fused.num_pages} pages each, "
+                     f"{ctx.pairs} pairs")
+        timings = interleaved_pairs(separate.round_trip, fused.round_trip, ctx.pairs)
+        separate.verify(f"{RANDOM_3D_OVER_RANDOM.name} (separate)")
+        fused.verify(f"{RANDOM_3D_OVER_RANDOM.name} (fused)")
+    return {RANDOM_3D_OVER_RANDOM.name: timings.speedup()}

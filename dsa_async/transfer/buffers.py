@@ -65,6 +65,10 @@ class PoolBinding:
     host: torch.Tensor  #: uint8 [L, host_pages, B] (strided for page_first)
     device_layers: tuple[torch.Tensor, ...]  #: L x uint8 [device_pages, B]
     device_fused: torch.Tensor | None  #: uint8 [L, device_pages, B] when one allocation
+    #: With ``device_fused``: whether run copies across its layers also beat per-layer index
+    #: copies when runs are short (single scattered pages). Measured when the CPU engine
+    #: starts (copyplan.measure_fused_for_short_runs): it depends on the machine.
+    fused_for_short_runs: bool = True
 
     @property
     def device_pages(self) -> int:

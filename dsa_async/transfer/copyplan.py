@@ -15,19 +15,25 @@ each run is one strided copy across a group of layers.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
+import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from ..geometry import HostLayout
 from ..kinds import Direction
 from ..pages import is_run, page_runs
 from .buffers import PoolBinding, same_width
 
 #: Below this many bytes per call, Python and dispatch overhead dominate a copy.
 MIN_BYTES_PER_CALL = 256 * 1024
+#: Runs of at least this many pages on average always take the fused run copies (measured
+#: faster than per-layer index copies at runs of 16 with or without other load).
+LONG_RUN_PAGES = 4
 #: Layers per fused scatter from host extents (one index_copy_ across them): measured 0.87 of a
 #: contiguous copy at 8, against 0.58 for 2-layer run copies.
 FUSED_SEGMENT_LAYERS = 8
@@ -85,6 +91,19 @@ class PagePlan:
             mode = CopyMode.SCATTER
         return cls(n, host_index, device_index, runs, tuple(segments), mode)
 
+    def uses_fused(self, binding: PoolBinding, to_host: bool = False) -> bool:
+        """Whether this plan moves ``binding``'s pages through its fused 3-D device view.
+
+        Loads from host extents always do (one scatter per extent across the layers); run
+        copies across the layers do when runs are long, and for short runs only where they
+        were measured faster than per-layer index copies on this machine."""
+        if binding.device_fused is None:
+            return False
+        if self.mode is CopyMode.SEGMENTS and not to_host:
+            return True
+        return (binding.fused_for_short_runs
+                or self.num_pages >= LONG_RUN_PAGES * max(1, len(self.runs)))
+
     def layer_groups(self, binding: PoolBinding, num_layers: int) -> list[tuple[int, int]]:
         """Layer ranges ``[first, last)`` for a layer-by-layer load, readiness after each.
 
@@ -94,7 +113,7 @@ class PagePlan:
         later calls run at full speed ahead of a consumer still on the early layers; scattered
         pages use groups that move ``MIN_BYTES_PER_CALL`` per page copy.
         """
-        if binding.device_fused is None or not self.runs.size:
+        if not self.runs.size or not self.uses_fused(binding):
             return [(layer, layer + 1) for layer in range(num_layers)]
         if self.mode is CopyMode.SEGMENTS:
             largest, size = FUSED_SEGMENT_LAYERS, 1
@@ -126,7 +145,7 @@ def copy_layers_cpu(binding: PoolBinding, plan: PagePlan, direction: Direction, 
                     last: int, staging: Staging) -> None:
     """Copy layers ``[first, last)`` of one pool for ``plan``. Blocks the calling thread."""
     to_host = direction is Direction.D2H
-    if binding.device_fused is not None:
+    if plan.uses_fused(binding, to_host):
         host, dev = binding.host[first:last], binding.device_fused[first:last]
         if not to_host and plan.mode is CopyMode.SEGMENTS:
             _scatter_segments_fused(*same_width(host, dev), plan)
@@ -183,3 +202,37 @@ def _copy_scattered(host: torch.Tensor, dev: torch.Tensor, plan: PagePlan, to_ho
     buffer = staging.rows(src_w, plan.num_pages)
     torch.index_select(src_w, 0, src_index, out=buffer)
     dst_w.index_copy_(0, dst_index, buffer)
+
+
+def measure_fused_for_short_runs(binding: PoolBinding, *, sample_pages: int = 16,
+                                 rounds: int = 3, seed: int = 0) -> bool:
+    """Whether run copies across the fused device view beat per-layer index copies for single
+    scattered pages on this machine: both move the same random device pages of every layer
+    into a scratch buffer shaped like the host arena, ``rounds`` times each, interleaved; the
+    faster best time wins. Reads the device buffers, writes only the scratch. Blocks the
+    calling thread (a few ms); run it off the loop."""
+    fused = binding.device_fused
+    if fused is None:
+        return False
+    num_layers, device_pages, row = fused.shape
+    k = min(sample_pages, device_pages)
+    if k < 2:
+        return True
+    rng = np.random.default_rng(seed)
+    device_index = rng.choice(device_pages, k, replace=False).astype(np.int64)
+    host_index = rng.permutation(k).astype(np.int64)  # scattered on the host side too
+    plan = PagePlan.build(host_index, device_index)
+    if binding.geometry.host_layout is HostLayout.PAGE_FIRST:  # strided like the arena
+        host = torch.empty((k, num_layers, row), dtype=torch.uint8).transpose(0, 1)
+    else:
+        host = torch.empty((num_layers, k, row), dtype=torch.uint8)
+    through_fused = dataclasses.replace(binding, host=host, fused_for_short_runs=True)
+    per_layer = dataclasses.replace(through_fused, fused_for_short_runs=False)
+    staging = Staging()
+    best = {True: math.inf, False: math.inf}
+    for _ in range(rounds):
+        for fused_first, candidate in ((True, through_fused), (False, per_layer)):
+            started = time.perf_counter()
+            copy_layers_cpu(candidate, plan, Direction.D2H, 0, num_layers, staging)
+            best[fused_first] = min(best[fused_first], time.perf_counter() - started)
+    return best[True] <= best[False]

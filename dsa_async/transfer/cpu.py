@@ -9,6 +9,7 @@ compute in other threads, as on a GPU.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import queue
 import threading
 import time
@@ -18,7 +19,7 @@ from ..errors import ServiceClosedError, TransferFailedError
 from ..kinds import Backend, Direction
 from .base import TransferEngine
 from .batch import BatchHandle, CopyBatch
-from .copyplan import PagePlan, Staging, copy_layers_cpu
+from .copyplan import PagePlan, Staging, copy_layers_cpu, measure_fused_for_short_runs
 
 
 #: How often a worker blocked on a dependency or producer checks whether waits were abandoned.
@@ -44,6 +45,13 @@ class CpuEngine(TransferEngine):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        # Fused device views: which copy path wins for scattered pages depends on the machine
+        # (and its load), so it is measured here, once (a few ms; the engine starts off the loop).
+        self.bindings = {
+            name: dataclasses.replace(
+                b, fused_for_short_runs=measure_fused_for_short_runs(b))
+            if b.device_fused is not None else b
+            for name, b in self.bindings.items()}
         self._abandoned = threading.Event()
         self._queues = {d: queue.SimpleQueue() for d in Direction}
         self._threads = {
