@@ -56,6 +56,25 @@ def _page_sets(rng, n):
     yield np.arange(start, start + n), np.arange(device_start, device_start + n)
 
 
+async def _round_trip_is_exact(engine, device, host_pages, device_pages, rng) -> None:
+    """Back ``device_pages`` up into ``host_pages``, load them into other device pages, and
+    check every pool's layers carry the original bytes there."""
+    n = host_pages.size
+    targets = rng.permutation(np.setdiff1d(np.arange(DEVICE_PAGES), device_pages))
+    targets = targets[:n].astype(np.int64)
+    index = torch.from_numpy(device_pages)
+    expected = {k: [t[index].clone() for t in v] for k, v in device.items()}
+    backup = engine.submit(CopyBatch(Direction.D2H, host_pages, device_pages))
+    load = engine.submit(CopyBatch(Direction.H2D, host_pages, targets,
+                                   deps=(Dependency(backup, True),)))
+    await asyncio.to_thread(load.done.wait)
+    assert backup.error is None and load.error is None
+    for name, layers_ in device.items():
+        for layer, tensor in enumerate(layers_):
+            got = tensor[torch.from_numpy(targets)]
+            assert torch.equal(got, expected[name][layer]), (name, layer)
+
+
 @pytest.mark.parametrize("layers", [1, 61])
 @pytest.mark.parametrize("fused", [False, True], ids=["per-layer", "fused"])
 @pytest.mark.parametrize("layout", list(HostLayout), ids=lambda x: x.value)
@@ -70,19 +89,7 @@ async def test_round_trips_are_byte_exact(layout, fused, layers, with_kv):
                 for host_pages, device_pages in _page_sets(rng, n):
                     host_pages = host_pages.astype(np.int64)
                     device_pages = device_pages.astype(np.int64)
-                    targets = np.setdiff1d(np.arange(DEVICE_PAGES), device_pages)
-                    targets = rng.permutation(targets)[:n].astype(np.int64)
-                    index = torch.from_numpy(device_pages)
-                    expected = {k: [t[index].clone() for t in v] for k, v in device.items()}
-                    backup = engine.submit(CopyBatch(Direction.D2H, host_pages, device_pages))
-                    load = engine.submit(CopyBatch(Direction.H2D, host_pages, targets,
-                                                   deps=(Dependency(backup, True),)))
-                    await asyncio.to_thread(load.done.wait)
-                    assert backup.error is None and load.error is None
-                    for name, layers_ in device.items():
-                        for layer, tensor in enumerate(layers_):
-                            got = tensor[torch.from_numpy(targets)]
-                            assert torch.equal(got, expected[name][layer]), (name, layer)
+                    await _round_trip_is_exact(engine, device, host_pages, device_pages, rng)
     finally:
         await asyncio.to_thread(engine.close)
 
@@ -162,18 +169,7 @@ async def test_both_copy_paths_of_a_fused_view_are_byte_exact(layout, fused_for_
             for n in (1, 9, 20):
                 host_pages = rng.choice(HOST_PAGES, n, replace=False).astype(np.int64)
                 device_pages = rng.choice(DEVICE_PAGES, n, replace=False).astype(np.int64)
-                targets = rng.permutation(np.setdiff1d(np.arange(DEVICE_PAGES), device_pages))
-                targets = targets[:n].astype(np.int64)
-                index = torch.from_numpy(device_pages)
-                expected = {k: [t[index].clone() for t in v] for k, v in device.items()}
-                backup = engine.submit(CopyBatch(Direction.D2H, host_pages, device_pages))
-                load = engine.submit(CopyBatch(Direction.H2D, host_pages, targets,
-                                               deps=(Dependency(backup, True),)))
-                await asyncio.to_thread(load.done.wait)
-                assert backup.error is None and load.error is None
-                for name, layers_ in device.items():
-                    for j, layer in enumerate(layers_):
-                        assert torch.equal(layer[torch.from_numpy(targets)], expected[name][j])
+                await _round_trip_is_exact(engine, device, host_pages, device_pages, rng)
     finally:
         await asyncio.to_thread(engine.close)
 
