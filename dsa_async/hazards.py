@@ -12,6 +12,12 @@ One table, consulted once per request at admission, in submission order:
 A request follows *every* pending writer of a page, not only the latest: when the latest is
 cancelled while queued, what it followed is still running, and later requests must still wait
 for that. Entries leave the table when their request ends. Loop-thread only; no locking.
+
+A request whose device pages are not known yet (device indices on the GPU, read by the engine
+after its producers: device_indices.py) stands for *every* device page while it is pending: it
+follows every pending request that conflicts with some device page (a backup follows every
+pending load; a load follows every pending backup and load), and every later request that
+touches device pages in a conflicting way follows it. Its host pages are ordinary entries.
 """
 
 from __future__ import annotations
@@ -89,6 +95,8 @@ class HazardTable:
         #: host pages a pending copy reads or writes (a key of either host-side table); they
         #: cannot be released
         self.busy_host_pages = 0
+        #: pending requests whose device pages are unknown (any device page): id -> request
+        self._any_page: dict = {D2H: {}, H2D: {}}
 
     def host_pages_busy(self, pages) -> list[int]:
         """Those of ``pages`` (host pages) that a pending copy reads or writes."""
@@ -145,8 +153,33 @@ class HazardTable:
                 if (_add(writers_of_writes, page, request) and not needs_data
                         and page not in host_side_other):
                     self.busy_host_pages += 1
+        any_read, any_written = self._any_page[D2H], self._any_page[H2D]
+        if request.device_indices is not None:
+            found = self._follow_every_device_page(request, found)
+        elif any_written or (any_read and d is H2D):
+            # a known device page: after every pending load into unknown pages (both
+            # directions), and for a load also after every pending backup of unknown pages
+            found = found if found is not None else {}
+            for pending in any_written.values():
+                found.setdefault(id(pending), (pending, False))
+            if d is H2D:
+                for pending in any_read.values():
+                    found.setdefault(id(pending), (pending, False))
         if found:
             request.deps = (*request.deps, *found.values())
+
+    def _follow_every_device_page(self, request: Request, found: dict | None) -> dict:
+        """Dependencies of a request on unknown device pages: every pending request that
+        conflicts with it on some device page. Registers it as pending on every page."""
+        found = found if found is not None else {}
+        tables = [self._writers[H2D].values(), self._any_page[H2D].values()]  # loads: RAW/WAW
+        if request.direction is H2D:  # a load also follows the backups still reading (WAR)
+            tables += [self._readers[D2H].values(), self._any_page[D2H].values()]
+        for table in tables:
+            for pending in table:
+                _depend(found, pending, False)
+        self._any_page[request.direction][id(request)] = request
+        return found
 
     def register_fresh_host_writes(self, request: Request) -> None:
         """Register host pages allocated after admission (they were free: nothing to follow)."""
@@ -165,6 +198,8 @@ class HazardTable:
         """Forget ``request`` (it ended: done, failed or cancelled)."""
         d = request.direction
         reads, writes = request.read_and_write_pages()
+        if request.device_indices is not None:
+            self._any_page[d].pop(id(request), None)
         if d is D2H:  # writes host pages
             self.busy_host_pages -= _remove(self._writers[D2H], writes, request,
                                             self._readers[H2D])
@@ -175,6 +210,6 @@ class HazardTable:
                                             self._writers[D2H])
 
     def __len__(self) -> int:
-        return sum(len(t) for t in self._writers.values()) + sum(
-            len(t) for t in self._readers.values()
-        )
+        return (sum(len(t) for t in self._writers.values())
+                + sum(len(t) for t in self._readers.values())
+                + sum(len(t) for t in self._any_page.values()))

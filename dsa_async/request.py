@@ -29,6 +29,7 @@ from .kinds import D2H, H2D, Direction, Timeliness
 from .page_seq import PageSeq
 
 if TYPE_CHECKING:
+    from .device_indices import DeviceIndices
     from .scheduler import Scheduler
     from .transfer.batch import BatchHandle
 
@@ -81,7 +82,7 @@ class Request:
         "after", "priority", "deadline", "submitted_at", "padding_tokens", "nbytes",
         "deps", "handle", "batch_index", "state", "cancel_requested", "future", "started",
         "_start_waiter", "end_waiter", "layer_seen", "waiters", "loop_waits", "observed",
-        "dropped", "__weakref__",
+        "dropped", "device_indices", "__weakref__",
     )
 
     def __init__(self, direction: Direction, device_pages: PageSeq, host_pages: PageSeq | None,
@@ -93,6 +94,9 @@ class Request:
         self.num_pages = len(device_pages)
         self.host_pages = host_pages  # None until allocated (service-chosen host pages)
         self.host_handle: HostPages | None = None  # set when the service allocates host pages
+        #: device pages not known until the engine reads them (a device index tensor on the
+        #: GPU, device_indices.py); ``device_pages`` is then empty and ``num_pages`` is set
+        self.device_indices: DeviceIndices | None = None
         self.owns_host = owns_host
         self.after = after  #: engine producers (normalized, captured on the submitting thread)
         self.loop_waits = 0  #: loop producers (asyncio futures/events) not finished yet

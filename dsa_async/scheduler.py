@@ -222,12 +222,14 @@ class Scheduler:
     def _submit(self, direction: Direction, requests: list[Request]) -> None:
         """Hand ``requests`` to the engine: one batch for all of them, except that a request
         whose waits can fail (a producer the engine may fail to wait for, or a running request
-        it needs) gets a batch of its own, so that it fails alone."""
+        it needs) or whose device indices the engine reads (and may refuse) gets a batch of
+        its own, so that it fails alone."""
         solo_producers = self.engine.producer_waits_can_fail
         shared: list[Request] = []
         for request in requests:
-            if (request.after and solo_producers) or (request.deps and any(
-                    needs_data and dep.state is SUBMITTED for dep, needs_data in request.deps)):
+            if (request.after and solo_producers) or request.device_indices is not None or (
+                    request.deps and any(needs_data and dep.state is SUBMITTED
+                                         for dep, needs_data in request.deps)):
                 self._submit_batch(direction, [request])
             else:
                 shared.append(request)
@@ -252,6 +254,7 @@ class Scheduler:
             concat_pages([r.device_pages for r in requests], offset),
             deps=tuple(Dependency(h, n) for h, n in deps.items()),
             after=tuple(after),
+            device_indices=requests[0].device_indices,  # such a request is alone in its batch
         )
         handle = self.engine.submit(batch)
         self._batches[handle] = requests

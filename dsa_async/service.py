@@ -27,11 +27,13 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+import torch
 from prometheus_client import CollectorRegistry
 
 from . import __version__
 from .budget import probe_host_budget
 from .config import ServiceConfig
+from .device_indices import DeviceIndices, IndexForm, device_form, index_tensor
 from .errors import (ConfigError, HostPoolExhausted, IndexTypeError, IndexValueError,
                      QueueFullError, ServiceClosedError, UnknownHostPagesError)
 from .host_pool import HostPages, HostPool
@@ -39,6 +41,7 @@ from .kinds import CANCELLED, D2H, DONE, FAILED, H2D, Backend, Direction
 from .ledger import HostLedger
 from .loop_lag import EventLoopLagMonitor
 from .metrics import BudgetFigures, ServiceMetrics
+from .page_indices import Pages
 from .page_seq import PageSeq, paired_page_seqs, tokens_to_page_seq
 from .plan import reserve_host_pools
 from .producers import NO_PRODUCERS, parse_after
@@ -76,6 +79,20 @@ class ServiceStatistics:
     inflight_requests: int
 
 
+@dataclass(frozen=True)
+class _OnDevice:
+    """A device index tensor off the CPU, as far as its shape tells (device_indices.py)."""
+
+    tensor: torch.Tensor
+    form: IndexForm
+    num_pages: int
+
+
+def _token_count(tokens) -> int:
+    return tokens.numel() if isinstance(tokens, torch.Tensor) else len(tokens)
+
+
+_EMPTY = range(0)
 _RUNNING = ServiceState.RUNNING  # the request paths compare it per call (see kinds.py)
 _NOT_CAPTURED = object()  # no producer was captured on another thread for this request
 
@@ -416,20 +433,73 @@ class OffloadService:
                        priority: int, captured: object, *, on_loop: bool
                        ) -> tuple[Transfer, tuple[object, ...]]:
         """Validate and prepare an eviction (see :meth:`_prepare`). Any thread."""
+        on_device = self._on_device(device_tokens)
         if host_tokens is None:
-            device_pages, padding = tokens_to_page_seq(
-                device_tokens, "device_tokens", self._device_token_bound, self._page_size_tokens)
-            if len(device_pages) > self._capacity_pages:
+            if on_device is None:
+                device_pages, padding = tokens_to_page_seq(
+                    device_tokens, "device_tokens", self._device_token_bound,
+                    self._page_size_tokens)
+                num_pages = len(device_pages)
+            else:
+                device_pages, padding, num_pages = _EMPTY, 0, on_device.num_pages
+            if num_pages > self._capacity_pages:
                 raise HostPoolExhausted(
-                    f"evict() of {len(device_pages)} pages can never fit: the host pool holds "
+                    f"evict() of {num_pages} pages can never fit: the host pool holds "
                     f"{self._capacity_pages} pages in all; evict at most that many per "
                     f"request (split it), or raise ServiceConfig.host_pool")
             host_pages, owns = None, True
-        else:
+        elif on_device is None:
             host_pages, device_pages, padding = self._paired(host_tokens, device_tokens, on_loop)
             owns = False
+        else:
+            host_pages = self._host_pages_for(on_device, host_tokens, on_loop)
+            device_pages, padding, owns = _EMPTY, 0, False
         return self._prepare(scheduler, D2H, device_pages, host_pages, owns,
-                             after, priority, NO_DEADLINE, padding, captured, on_loop)
+                             after, priority, NO_DEADLINE, padding, captured, on_loop, on_device)
+
+    def _on_device(self, device_tokens) -> _OnDevice | None:
+        """For a device index tensor that is not on the CPU (or ``Pages`` of one): what its
+        shape says, to be read by the engine after the request's producers; ``None`` for
+        anything read here. Refused (``IndexTypeError``) by an engine that reads only CPU
+        index tensors. Any thread; reads no values."""
+        tensor = index_tensor(device_tokens)
+        if tensor is None:
+            return None
+        engine = self._engine
+        if engine is None:  # a thread that raced close()
+            raise ServiceClosedError("the service is closing or closed")
+        if not engine.defers_indices(tensor):
+            if tensor.is_cpu:
+                return None  # read here
+            raise IndexTypeError(
+                f"device_tokens is a tensor on device {tensor.device}; the {self.backend.value} "
+                f"backend reads index tensors on the CPU: pass device_tokens.cpu() (the cuda "
+                f"backend also takes index tensors on its device, read after the request's "
+                f"producers)")
+        form, num_pages = device_form(tensor, device_tokens, "device_tokens",
+                                      self._page_size_tokens)
+        return _OnDevice(tensor, form, num_pages)
+
+    def _host_pages_for(self, on_device: _OnDevice, host_tokens, on_loop: bool) -> PageSeq:
+        """Host pages paired in order with device pages the engine reads later: whole pages
+        (every token of each, or ``Pages`` when the device side is ``Pages``), as many."""
+        device_is_pages = on_device.form is IndexForm.PAGES
+        if isinstance(host_tokens, Pages) is not device_is_pages:
+            raise IndexValueError("pass both sides as Pages, or neither")
+        host_pages, padding = tokens_to_page_seq(
+            host_tokens, "host_tokens", self._host_token_bound, self._page_size_tokens)
+        count = (host_tokens.pages.numel() if isinstance(host_tokens.pages, torch.Tensor)
+                 else len(host_tokens.pages)) if device_is_pages else (
+            _token_count(host_tokens) // self._page_size_tokens)
+        if padding or len(host_pages) != on_device.num_pages or count != len(host_pages):
+            raise IndexValueError(
+                f"host_tokens must be {on_device.num_pages} distinct whole pages (every token of "
+                f"each, in order) to pair page by page with device_tokens on "
+                f"{on_device.tensor.device}; they cover {len(host_pages)} pages with {padding} "
+                f"padding tokens")
+        if on_loop:
+            self._pool.check_allocated(host_pages, name="host_tokens")
+        return host_pages
 
     def _paired(self, host_tokens, device_tokens, on_loop: bool
                 ) -> tuple[PageSeq, PageSeq, int]:
@@ -453,13 +523,19 @@ class OffloadService:
         if host is None and host_tokens is None:
             raise IndexValueError("prefetch needs the host side: a HostPages handle (from an "
                                   "eviction or allocate_host_pages) or host_tokens=")
+        on_device = self._on_device(device_tokens)
         if host is not None:
             if not isinstance(host, HostPages):
                 raise IndexTypeError(
                     f"host must be a HostPages handle, got {type(host).__name__}; a bare "
                     f"tensor is ambiguous (tokens or pages?): pass host_tokens=tensor instead")
-            device_pages, padding = tokens_to_page_seq(
-                device_tokens, "device_tokens", self._device_token_bound, self._page_size_tokens)
+            if on_device is None:
+                device_pages, padding = tokens_to_page_seq(
+                    device_tokens, "device_tokens", self._device_token_bound,
+                    self._page_size_tokens)
+                num_pages = len(device_pages)
+            else:
+                device_pages, padding, num_pages = _EMPTY, 0, on_device.num_pages
             if on_loop:
                 self._pool.check_owned(host)
             else:  # two lookups, safe off the loop; the loop checks again when it accepts
@@ -469,13 +545,16 @@ class OffloadService:
                 if self._inbox.release_posted(host):
                     raise UnknownHostPagesError(f"{host!r} was released (from a thread); "
                                                 f"use a handle that is still held")
-            if len(device_pages) != host.num_pages:
+            if num_pages != host.num_pages:
                 raise IndexValueError(
-                    f"device_tokens cover {len(device_pages)} pages but {host!r} holds "
+                    f"device_tokens cover {num_pages} pages but {host!r} holds "
                     f"{host.num_pages}; a prefetch pairs them page by page in order")
             host_pages = host.page_seq
-        else:
+        elif on_device is None:
             host_pages, device_pages, padding = self._paired(host_tokens, device_tokens, on_loop)
+        else:
+            host_pages = self._host_pages_for(on_device, host_tokens, on_loop)
+            device_pages, padding = _EMPTY, 0
         if deadline_s is None:
             deadline = NO_DEADLINE
         elif isinstance(deadline_s, (int, float)) and not isinstance(deadline_s, bool) and \
@@ -485,16 +564,18 @@ class OffloadService:
         else:
             raise IndexValueError(f"deadline_s must be a finite number of seconds, got {deadline_s!r}")
         return self._prepare(scheduler, H2D, device_pages, host_pages, False,
-                             after, priority, deadline, padding, captured, on_loop)
+                             after, priority, deadline, padding, captured, on_loop, on_device)
 
     def _prepare(self, scheduler: Scheduler, direction: Direction, device_pages: PageSeq,
                  host_pages: PageSeq | None, owns_host: bool, after: object, priority: int,
-                 deadline: float, padding: int, captured: object, on_loop: bool
-                 ) -> tuple[Transfer, tuple[object, ...]]:
+                 deadline: float, padding: int, captured: object, on_loop: bool,
+                 on_device: _OnDevice | None = None) -> tuple[Transfer, tuple[object, ...]]:
         """The first half of a submission, on the submitting thread (the loop's or another):
         check the priority and the queue bound, parse ``after=``, capture the default
-        producer, and build the request and its ``Transfer``. Raises, changing nothing; never
-        blocks. Returns the transfer and the loop producers :meth:`_accept` watches."""
+        producer, and build the request and its ``Transfer``; for device indices the engine
+        reads (``on_device``), queue their copy to the host after the producers. Raises,
+        changing nothing; never blocks. Returns the transfer and the loop producers
+        :meth:`_accept` watches."""
         if type(priority) is not int and (isinstance(priority, bool)
                                           or not isinstance(priority, int)):
             raise IndexTypeError(f"priority must be an int, got {priority!r}")
@@ -515,10 +596,18 @@ class OffloadService:
         if captured is _NOT_CAPTURED:
             captured = engine.capture_producer()
         engine_producers = producers.engine if captured is None else (captured, *producers.engine)
+        num_pages = len(device_pages) if on_device is None else on_device.num_pages
+        if on_device is not None:  # the last step that can raise: nothing to undo after it
+            indices = DeviceIndices(
+                on_device.form, num_pages, self._page_size_tokens, self.device_pages,
+                "device_tokens", engine.stage_indices(on_device.tensor, engine_producers))
         future = self._loop.create_future()  # only built here; resolved on the loop
         request = Request(direction, device_pages, host_pages, owns_host, engine_producers,
-                          priority, deadline, padding,
-                          len(device_pages) * scheduler.bytes_per_page, future)
+                          priority, deadline, padding, num_pages * scheduler.bytes_per_page,
+                          future)
+        if on_device is not None:
+            request.device_indices = indices
+            request.num_pages = num_pages
         if not on_loop:
             request.state = POSTED
         if producers.deps:  # after those requests' copies, and only if they succeed

@@ -71,6 +71,19 @@ class TransferEngine(abc.ABC):
     #: thread: then whether a layer was late is the device's verdict alone.
     waits_on_device: bool = False
 
+    def defers_indices(self, tensor: object) -> bool:
+        """Whether this engine reads a device index tensor that is not on the CPU itself, after
+        the request's producers (device_indices.py). The service refuses such a tensor
+        otherwise. CPU: never (every index tensor is read at submit, on the CPU)."""
+        return False
+
+    def stage_indices(self, tensor: object, producers: tuple[object, ...]
+                      ) -> Callable[[], object]:
+        """Queue a copy of ``tensor`` (a device index tensor this engine defers) into host
+        memory after ``producers``; return a ``fetch()`` that blocks until it landed and returns
+        the values (a 1-D CPU array). On the submitting thread; never blocks."""
+        raise NotImplementedError(f"the {self.backend.value} engine reads index tensors at submit")
+
     def capture_producer(self) -> object | None:
         """What every copy waits for besides ``after=``: the submitting thread's work so far.
 

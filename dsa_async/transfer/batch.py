@@ -12,11 +12,15 @@ import itertools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..errors import TransferFailedError
 from ..kinds import Direction
+
+if TYPE_CHECKING:
+    from ..device_indices import DeviceIndices
 
 _batch_ids = itertools.count(1)
 
@@ -35,7 +39,9 @@ class CopyBatch:
 
     ``after`` holds the callers' producers to wait for (events or streams on CUDA, objects with
     a blocking ``wait()`` such as ``threading.Event`` on CPU); ``deps`` are earlier batches this
-    one must follow (hazards).
+    one must follow (hazards). ``device_indices``: the device pages are not known yet (a
+    device index tensor on the GPU, device_indices.py): the engine resolves them on its issue
+    thread, after the producers (:meth:`resolve_device_pages`), and ``device_pages`` is empty.
     """
 
     direction: Direction
@@ -44,10 +50,12 @@ class CopyBatch:
     deps: tuple[Dependency, ...] = ()
     after: tuple[object, ...] = ()
     batch_id: int = 0  #: unique in the process; given at construction
+    device_indices: DeviceIndices | None = None
 
     def __init__(self, direction: Direction, host_pages: np.ndarray, device_pages: np.ndarray,
                  deps: tuple[Dependency, ...] = (), after: tuple[object, ...] = (),
-                 batch_id: int | None = None) -> None:
+                 batch_id: int | None = None, device_indices: DeviceIndices | None = None
+                 ) -> None:
         # One batch per loop tick, on a single request's path: plain stores into the instance
         # dict instead of the generated frozen __init__'s object.__setattr__ calls.
         fields = self.__dict__
@@ -57,6 +65,17 @@ class CopyBatch:
         fields["deps"] = deps
         fields["after"] = after
         fields["batch_id"] = next(_batch_ids) if batch_id is None else batch_id
+        fields["device_indices"] = device_indices
+
+    def resolve_device_pages(self) -> np.ndarray:
+        """The device pages to copy: ``device_pages``, or those of ``device_indices`` (blocks
+        until their staged copy landed, then checks them: engine issue thread only; raises
+        ``IndexValueError`` for bad values, which fails this batch alone)."""
+        if self.device_indices is None:
+            return self.device_pages
+        pages = self.device_indices.resolve()
+        assert pages.size == self.host_pages.size, "the page count is checked at submit"
+        return pages
 
     @property
     def num_pages(self) -> int:

@@ -136,7 +136,7 @@ class CpuEngine(TransferEngine):
 
     def _copy(self, handle: BatchHandle, direction: Direction, staging: Staging) -> list:
         batch = handle.batch
-        plan = PagePlan.build(batch.host_pages, batch.device_pages)
+        plan = PagePlan.build(batch.host_pages, batch.resolve_device_pages())
         due = []
         if plan.num_pages == 0:
             return due

@@ -50,9 +50,10 @@ import queue
 import threading
 from collections.abc import Callable, Mapping
 
+import numpy as np
 import torch
 
-from ..errors import ConfigError, ServiceClosedError, TransferFailedError
+from ..errors import ConfigError, IndexTypeError, ServiceClosedError, TransferFailedError
 from ..geometry import HostLayout
 from ..kinds import Backend, Direction
 from .base import FaultHook, TransferEngine
@@ -186,6 +187,8 @@ class CudaEngine(TransferEngine):
             self.targets = [PoolTarget.of(b, mapped_view(b.host, self.device, own))
                             for b in self.bindings.values()]
             self._streams = CopyStreams.create(self.device)
+            #: device index tensors are staged to the host here (stage_indices)
+            self._index_stream = torch.cuda.Stream(self.device)
             staging = self._allocate_staging()
             allocated = torch.cuda.Event()
             allocated.record(torch.cuda.current_stream(self.device))
@@ -283,6 +286,41 @@ class CudaEngine(TransferEngine):
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
         return event
+
+    def defers_indices(self, tensor: object) -> bool:
+        """Index tensors on this engine's device are read after the request's producers."""
+        return isinstance(tensor, torch.Tensor) and tensor.device.type == "cuda"
+
+    def stage_indices(self, tensor: torch.Tensor, producers: tuple[object, ...]
+                      ) -> Callable[[], np.ndarray]:
+        """Queue, on this engine's index stream, a copy of ``tensor`` into page-locked host
+        memory after ``producers`` (events or streams: the work that wrote the indices); the
+        returned ``fetch()`` synchronizes on that copy's event (the issue thread calls it) and
+        returns the values. On the submitting thread; never blocks on the device."""
+        if tensor.device != self.device:
+            raise IndexTypeError(f"a device index tensor is on {tensor.device}; this service's "
+                                 f"cuda backend copies on {self.device}: move it there")
+        stream = self._index_stream
+        host = torch.empty(tensor.shape, dtype=torch.int64, pin_memory=True)
+        for producer in producers:
+            if isinstance(producer, torch.cuda.Stream):
+                stream.wait_stream(producer)
+            else:
+                stream.wait_event(producer)
+        with torch.cuda.stream(stream):
+            wide = tensor if tensor.dtype is torch.int64 else tensor.to(torch.int64)
+            host.copy_(wide, non_blocking=True)
+        tensor.record_stream(stream)  # the caller may free it; the copy still reads it
+        if wide is not tensor:
+            wide.record_stream(stream)
+        landed = torch.cuda.Event()
+        landed.record(stream)
+
+        def fetch() -> np.ndarray:
+            landed.synchronize()
+            return host.numpy()
+
+        return fetch
 
     def normalize_after(self, after: object) -> torch.cuda.Event:
         """One caller-given producer as an event to wait for (call on the submitting thread).
@@ -409,8 +447,10 @@ class CudaEngine(TransferEngine):
         try:
             self._wait_for_dependencies(stream, batch)
             self._wait_for_producers(stream, batch, lane.direction)
-            copy = BatchCopy(batch.host_pages, batch.device_pages, self.targets, lane.direction,
-                             lane.staging, self.registrations)
+            # Device indices on the GPU: their staged copy follows the producers waited for
+            # above, so this blocks this thread (not the stream) until they are readable.
+            copy = BatchCopy(batch.host_pages, batch.resolve_device_pages(), self.targets,
+                             lane.direction, lane.staging, self.registrations)
             copy.upload_index()
             # Device timing covers the copies only: planning, the index upload and the waits
             # above are all queued before this event.

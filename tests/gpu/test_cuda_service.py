@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 
-from dsa_async import OffloadService, PoolSize, ServiceConfig
+from dsa_async import OffloadService, Pages, PoolSize, ServiceConfig
 from dsa_async.geometry import dsa_indexer
 from dsa_async.kinds import Direction
 from dsa_async.transfer.cuda import CudaEngine
@@ -342,5 +342,59 @@ def test_layer_counts_late_only_when_the_consumers_stream_waited(tmp_path):
             assert layer_samples(service, "late") >= 1
             waited = service.registry.get_sample_value("dsa_async_prefetch_wait_seconds_sum")
             assert waited is not None and waited > 0.2
+
+    run(main)
+
+
+# --- device indices on the GPU ------------------------------------------------------------------
+
+
+def test_device_indices_written_by_a_kernel_still_queued_are_read_after_it(tmp_path):
+    # The indices are produced on the caller's stream behind a long kernel; submit returns at
+    # once and the copy reads the indices (and the pages) only after that kernel.
+    buffers = device_buffers(4, 32)
+
+    async def main():
+        async with cuda_service(make_config(tmp_path), buffers) as service:
+            indices = torch.full((2 * 64,), -1, dtype=torch.int64, device=DEVICE)
+            gpu_sleep(0.5)
+            indices.copy_(page_tokens([7, 3]).to(DEVICE))  # queued behind the sleep
+            submitted_from = time.perf_counter()
+            backup = service.evict(indices)
+            assert time.perf_counter() - submitted_from < 0.25, "submit waited for the kernel"
+            result = await finished(backup)
+            host = torch.as_tensor(result.host_pages.pages)
+            arena = service.host_pool.arenas["dsa_indexer"]
+            torch.cuda.synchronize()
+            for layer in range(4):
+                assert torch.equal(arena[layer][host], buffers[layer, [7, 3]].cpu())
+            load = service.prefetch(result.host_pages, Pages(torch.tensor([20, 21],
+                                                                           device=DEVICE)))
+            await finished(load)
+            torch.cuda.synchronize()
+            assert torch.equal(buffers[:, [20, 21]], buffers[:, [7, 3]])
+
+    run(main)
+
+
+def test_bad_device_indices_on_the_gpu_fail_that_transfer(tmp_path):
+    from dsa_async.errors import IndexValueError, TransferFailedError
+
+    buffers = device_buffers(4, 32)
+
+    async def main():
+        async with cuda_service(make_config(tmp_path), buffers) as service:
+            before = service.statistics()
+            bad = service.evict((page_tokens([5]) + 1).to(DEVICE))  # shifted: not whole pages
+            good = service.evict(page_tokens([6]).to(DEVICE))
+            with pytest.raises(TransferFailedError) as caught:
+                await finished(bad)
+            error = caught.value
+            while error is not None and not isinstance(error, IndexValueError):
+                error = error.__cause__
+            assert isinstance(error, IndexValueError)
+            result = await finished(good)
+            service.release(result.host_pages)
+            assert service.statistics() == before
 
     run(main)

@@ -1,0 +1,275 @@
+"""Device index tensors read by the engine after the request's producers (device_indices.py).
+
+The CPU backend refuses index tensors that are not on the CPU (a ``meta`` tensor stands in for
+one on a GPU). The deferred path itself (shape checks at submit, values read on the engine's
+thread after the producers, bad values failing that transfer alone, ordering against requests
+whose device pages are known) runs here through the real CPU engine with one policy changed:
+``LateIndexEngine`` defers every index *tensor* the way the CUDA engine defers CUDA tensors,
+reading the values only when its worker resolves the batch. Ranges, numpy arrays and ``Pages``
+of lists are still read at submit, so both kinds meet in one service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+import torch
+from service_fixtures import PAGE, make_buffers, page_bytes, tokens
+
+from dsa_async import Pages
+from dsa_async.config import PoolSize, ServiceConfig
+from dsa_async.errors import IndexTypeError, IndexValueError, TransferFailedError
+from dsa_async.geometry import dsa_indexer, mla_kv
+from dsa_async.service import OffloadService
+from dsa_async.transfer.cpu import CpuEngine
+
+BOUND_S = 10
+LAYERS = 2
+DEVICE_PAGES = 16
+
+
+class LateIndexEngine(CpuEngine):
+    """The CPU engine, deferring index tensors as the CUDA engine defers CUDA ones."""
+
+    def defers_indices(self, tensor) -> bool:
+        return True
+
+    def stage_indices(self, tensor, producers):
+        return lambda: tensor.numpy()  # read when the worker resolves the batch
+
+
+def _service(tmp_path, engine=LateIndexEngine, host_pages: int = 32):
+    geometries = (dsa_indexer(num_layers=LAYERS), mla_kv(num_layers=LAYERS))
+    buffers = {g.name: make_buffers(g, DEVICE_PAGES, seed=i) for i, g in enumerate(geometries)}
+    config = ServiceConfig(geometries=geometries, host_pool=PoolSize(pages=host_pages),
+                           backend="cpu", ledger_directory=str(tmp_path / "ledger"))
+    return OffloadService(config, buffers, engine_factory=engine), buffers
+
+
+def _fill(buffers, page: int, value: int) -> None:
+    for layers in buffers.values():
+        for layer in layers:
+            layer[page].fill_(value)
+
+
+def _same(a: dict, b: dict) -> bool:
+    return all(torch.equal(x, y) for name in a for x, y in zip(a[name], b[name], strict=True))
+
+
+def _cause_chain(error):
+    while error is not None:
+        yield error
+        error = error.__cause__
+
+
+# --- the CPU backend refuses index tensors off the CPU ---------------------------------------
+
+
+@pytest.mark.parametrize("form", ["tokens", "pages"])
+@pytest.mark.parametrize("call", ["evict", "prefetch", "evict_threadsafe", "prefetch_threadsafe"])
+async def test_the_cpu_backend_refuses_index_tensors_off_the_cpu(tmp_path, form, call):
+    service, _ = _service(tmp_path, engine=CpuEngine)
+    async with service, asyncio.timeout(BOUND_S):
+        held = service.allocate_host_pages(1)
+        before = service.statistics()
+        meta = torch.arange(PAGE, device="meta")
+        value = Pages(torch.zeros(1, dtype=torch.int64, device="meta")) if form == "pages" else meta
+        method = getattr(service, call)
+        args = (value,) if call.startswith("evict") else (held, value)
+        with pytest.raises(TypeError, match="on device meta.*cpu backend reads index tensors on the "
+                                            "CPU") as caught:
+            await asyncio.to_thread(method, *args) if call.endswith("threadsafe") else method(*args)
+        assert isinstance(caught.value, IndexTypeError)
+        assert service.statistics() == before
+
+
+# --- deferred indices: bytes, reading after the producers ------------------------------------
+
+
+@pytest.mark.parametrize("form", ["tokens", "pages", "tokens-int32"])
+async def test_device_indices_read_by_the_engine_round_trip_byte_exact(tmp_path, form):
+    service, buffers = _service(tmp_path)
+    source, target = [9, 2, 14, 5], [0, 11, 3, 7]
+
+    def given(pages):
+        if form == "pages":
+            return Pages(torch.tensor(pages))
+        t = tokens(pages)
+        return t.to(torch.int32) if form == "tokens-int32" else t
+
+    async with service, asyncio.timeout(BOUND_S):
+        expected = page_bytes(buffers, source)
+        backup = await service.evict(given(source))
+        assert backup.pages == 4 and backup.padded_tokens == 0
+        await service.prefetch(backup.host_pages, given(target))
+        assert _same(page_bytes(buffers, target), expected)
+        service.release(backup.host_pages)
+
+
+async def test_device_indices_are_read_after_the_requests_producers(tmp_path):
+    service, buffers = _service(tmp_path)
+    async with service, asyncio.timeout(BOUND_S):
+        indices = torch.full((2 * PAGE,), -1, dtype=torch.int64)  # not valid yet
+        written = threading.Event()
+        transfer = service.evict(indices, after=written)  # shape checked, values not read
+        indices.copy_(tokens([6, 1]))  # the producer's work, before it signals
+        expected = page_bytes(buffers, [6, 1])
+        written.set()
+        result = await transfer
+        host = torch.as_tensor(result.host_pages.pages)
+        for name, arena in service.host_pool.arenas.items():
+            for layer in range(LAYERS):
+                assert torch.equal(arena[layer][host], expected[name][layer])
+        service.release(result.host_pages)
+
+
+async def test_device_indices_from_a_thread_without_a_loop(tmp_path):
+    service, buffers = _service(tmp_path)
+    async with service, asyncio.timeout(BOUND_S):
+        expected = page_bytes(buffers, [4, 8])
+
+        def run():
+            backup = service.evict_threadsafe(tokens([4, 8])).wait(BOUND_S)
+            service.prefetch_threadsafe(backup.host_pages, Pages(torch.tensor([12, 13]))
+                                        ).wait(BOUND_S)
+            service.release_threadsafe(backup.host_pages)
+
+        await asyncio.to_thread(run)
+        assert _same(page_bytes(buffers, [12, 13]), expected)
+
+
+# --- bad values fail that transfer alone; shape errors raise at submit ------------------------
+
+
+BAD_VALUES = {
+    "shifted tokens": lambda: tokens([3]) + 1,
+    "page out of range": lambda: tokens([DEVICE_PAGES]),
+    "negative token": lambda: tokens([0]) - PAGE,
+    "page twice": lambda: tokens([3, 3]),
+    "pages out of range": lambda: Pages(torch.tensor([1, DEVICE_PAGES])),
+    "pages negative": lambda: Pages(torch.tensor([-1])),
+    "pages twice": lambda: Pages(torch.tensor([2, 2])),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_VALUES))
+async def test_bad_device_index_values_fail_that_transfer_alone(tmp_path, case):
+    service, buffers = _service(tmp_path)
+    async with service, asyncio.timeout(BOUND_S):
+        before = service.statistics()
+        expected = page_bytes(buffers, [10])
+        gate = threading.Event()  # the bad request and a good one share a tick
+        bad = service.evict(BAD_VALUES[case](), after=gate)  # no error at submit
+        good = service.evict(range(10 * PAGE, 11 * PAGE))
+        gate.set()
+        with pytest.raises(TransferFailedError) as caught:
+            await bad
+        assert any(isinstance(e, IndexValueError) for e in _cause_chain(caught.value))
+        result = await good
+        host = torch.as_tensor(result.host_pages.pages)
+        for name, arena in service.host_pool.arenas.items():
+            assert torch.equal(arena[0][host], expected[name][0])
+        service.release(result.host_pages)
+        assert service.statistics() == before  # the failed backup's host pages came back
+
+
+@pytest.mark.parametrize("value, error, match", [
+    (lambda: tokens([3])[: PAGE - 1].contiguous(), IndexValueError, "not a whole number"),
+    (lambda: tokens([3]).view(2, PAGE // 2), IndexValueError, "1-D"),
+    (lambda: tokens([3]).to(torch.float32), IndexTypeError, "dtype"),
+    (lambda: Pages(torch.tensor([[1]])), IndexValueError, "1-D"),
+])
+async def test_what_the_shape_of_device_indices_tells_is_checked_at_submit(tmp_path, value, error,
+                                                                          match):
+    service, _ = _service(tmp_path)
+    async with service, asyncio.timeout(BOUND_S):
+        held = service.allocate_host_pages(1)
+        before = service.statistics()
+        with pytest.raises(error, match=match):
+            service.evict(value())
+        with pytest.raises(error, match=match):
+            service.prefetch(held, value())
+        assert service.statistics() == before
+
+
+async def test_device_indices_pair_with_whole_host_pages_of_the_same_count(tmp_path):
+    service, buffers = _service(tmp_path)
+    async with service, asyncio.timeout(BOUND_S):
+        held = service.allocate_host_pages(2)
+        before = service.statistics()
+        with pytest.raises(IndexValueError, match="2 distinct whole pages"):
+            service.evict(tokens([1, 2]), host_tokens=held.token_indices()[:PAGE])
+        with pytest.raises(IndexValueError, match="holds 2"):
+            service.prefetch(held, tokens([1, 2, 3]))
+        with pytest.raises(IndexValueError, match="both sides as Pages"):
+            service.evict(Pages(torch.tensor([1, 2])), host_tokens=held.token_indices())
+        assert service.statistics() == before
+        expected = page_bytes(buffers, [1, 2])
+        await service.evict(tokens([1, 2]), host_tokens=held.token_indices())
+        await service.prefetch(None, Pages(torch.tensor([5, 6])),
+                               host_tokens=Pages(np.asarray(held.pages)))
+        assert _same(page_bytes(buffers, [5, 6]), expected)
+
+
+# --- ordering: unknown device pages stand for every device page while pending ----------------
+
+
+async def test_a_load_into_a_page_waits_for_an_earlier_backup_of_unknown_pages(tmp_path):
+    service, buffers = _service(tmp_path)
+    async with service, asyncio.timeout(BOUND_S):
+        original = page_bytes(buffers, [5])
+        staged = service.allocate_host_pages(1)
+        _fill(buffers, 0, 77)
+        await service.evict(range(0, PAGE), host_tokens=staged.token_indices())
+        gate = threading.Event()
+        backup = service.evict(tokens([5]), after=gate)  # reads page 5 once the gate opens
+        load = service.prefetch(staged, range(5 * PAGE, 6 * PAGE))  # overwrites page 5
+        gate.set()
+        result = await backup
+        await load
+        host = torch.as_tensor(result.host_pages.pages)
+        for name, arena in service.host_pool.arenas.items():
+            for layer in range(LAYERS):
+                assert torch.equal(arena[layer][host], original[name][layer])
+
+
+async def test_a_backup_of_a_page_waits_for_an_earlier_load_into_unknown_pages(tmp_path):
+    service, buffers = _service(tmp_path)
+    async with service, asyncio.timeout(BOUND_S):
+        staged = service.allocate_host_pages(1)
+        _fill(buffers, 0, 91)
+        await service.evict(range(0, PAGE), host_tokens=staged.token_indices())
+        loaded = page_bytes(buffers, [0])
+        gate = threading.Event()
+        load = service.prefetch(staged, tokens([9]), after=gate)
+        backup = service.evict(range(9 * PAGE, 10 * PAGE))  # must see the loaded bytes
+        gate.set()
+        await load
+        result = await backup
+        host = torch.as_tensor(result.host_pages.pages)
+        for name, arena in service.host_pool.arenas.items():
+            for layer in range(LAYERS):
+                assert torch.equal(arena[layer][host], loaded[name][layer])
+
+
+async def test_a_backup_of_unknown_pages_waits_for_an_earlier_load_into_a_page(tmp_path):
+    service, buffers = _service(tmp_path)
+    async with service, asyncio.timeout(BOUND_S):
+        staged = service.allocate_host_pages(1)
+        _fill(buffers, 0, 33)
+        await service.evict(range(0, PAGE), host_tokens=staged.token_indices())
+        loaded = page_bytes(buffers, [0])
+        gate = threading.Event()
+        load = service.prefetch(staged, range(4 * PAGE, 5 * PAGE), after=gate)
+        backup = service.evict(tokens([4]))  # unknown pages: follows every pending load
+        gate.set()
+        await load
+        result = await backup
+        host = torch.as_tensor(result.host_pages.pages)
+        for name, arena in service.host_pool.arenas.items():
+            for layer in range(LAYERS):
+                assert torch.equal(arena[layer][host], loaded[name][layer])
+        assert service.statistics().in_flight_pages == 0
