@@ -18,36 +18,99 @@ after its producers: device_indices.py) stands for *every* device page while it 
 follows every pending request that conflicts with some device page (a backup follows every
 pending load; a load follows every pending backup and load), and every later request that
 touches device pages in a conflicting way follows it. Its host pages are ordinary entries.
+
+Cost. A request of a few pages (the common case) costs a few dict operations per page. A long
+request (``BULK_PAGES`` or more) is one entry holding the set of its pages: admitting it costs
+building that set and set intersections that iterate the smaller side, and retiring it is
+O(1), so a 1,024-page request no longer pays a dict insert and delete per page and per table.
+Which host pages are busy is a count per host page, updated by numpy for long requests.
 """
 
 from __future__ import annotations
 
-from itertools import repeat
-from operator import is_
+import array
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from .kinds import D2H, H2D
 
 if TYPE_CHECKING:
     from .request import Request
 
-# page -> its pending request, or a list of them in admission order when there are several.
-# One request per page is the common case; not allocating a list for it keeps a request's
-# page entries from being garbage-collector work.
-_PageTable = dict[int, "Request | list[Request]"]
+#: Requests of at least this many pages are one entry per table (a set of pages), not one
+#: dict entry per page.
+BULK_PAGES = 16
 
 
-def _add(table: _PageTable, page: int, request: Request) -> bool:
-    """Register ``request`` on ``page``; returns whether the page was not in ``table``."""
-    pending = table.get(page)
-    if pending is None:
-        table[page] = request
-        return True
-    if type(pending) is list:
-        pending.append(request)
-    else:
-        table[page] = [pending, request]
-    return False
+class _Table:
+    """Pending requests per page, for one side (host or device) and one role (read or write).
+
+    ``small``: page -> the pending request, or a list of them in admission order when there are
+    several (one per page is the common case: no list to allocate). ``bulk``: long requests,
+    each as (request, set of its pages)."""
+
+    __slots__ = ("small", "bulk")
+
+    def __init__(self) -> None:
+        self.small: dict[int, Request | list[Request]] = {}
+        self.bulk: list[tuple[Request, frozenset[int] | set[int]]] = []
+
+    def requests(self):
+        """Every pending request of this table (a request may come more than once)."""
+        for pending in self.small.values():
+            if type(pending) is list:
+                yield from pending
+            else:
+                yield pending
+        for request, _pages in self.bulk:
+            yield request
+
+    def follow(self, found: dict, pages, page_set, needs_data: bool) -> None:
+        """Add to ``found`` every request of this table pending on one of ``pages``
+        (``page_set``: the same pages as a set, for long requests; else ``None``)."""
+        small, bulk = self.small, self.bulk
+        if page_set is not None:
+            if small and not small.keys().isdisjoint(page_set):  # iterates the smaller side
+                for page in small.keys() & page_set:
+                    _depend(found, small[page], needs_data)
+            for request, their_pages in bulk:
+                if not their_pages.isdisjoint(page_set):
+                    found.setdefault(id(request), (request, needs_data))
+            return
+        if small:
+            get = small.get
+            for page in pages:
+                pending = get(page)
+                if pending is not None:
+                    _depend(found, pending, needs_data)
+        for request, their_pages in bulk:
+            for page in pages:
+                if page in their_pages:
+                    found.setdefault(id(request), (request, needs_data))
+                    break
+
+    def add(self, request: Request, pages, page_set) -> None:
+        if page_set is not None:
+            self.bulk.append((request, page_set))
+            return
+        small = self.small
+        for page in pages:
+            pending = small.get(page)
+            if pending is None:
+                small[page] = request
+            elif type(pending) is list:
+                pending.append(request)
+            else:
+                small[page] = [pending, request]
+
+    def remove_bulk(self, request: Request) -> None:
+        entries = self.bulk
+        for i, (pending, _pages) in enumerate(entries):
+            if pending is request:
+                del entries[i]
+                return
+        raise AssertionError("a long request was not in its table")
 
 
 def _depend(found: dict, pending: Request | list[Request], needs_data: bool) -> None:
@@ -58,158 +121,219 @@ def _depend(found: dict, pending: Request | list[Request], needs_data: bool) -> 
         found.setdefault(id(pending), (pending, needs_data))
 
 
-#: Requests of at least this many pages take the bulk paths: whole-set checks and updates that
-#: run in C (``isdisjoint``, ``dict.update``), instead of Python work per page.
-BULK_PAGES = 16
+def _as_set(pages) -> set[int] | None:
+    return set(pages) if len(pages) >= BULK_PAGES else None
 
 
-def _count_in(table: _PageTable, pages) -> int:
-    return sum(map(table.__contains__, pages))
-
-
-def _remove(table: _PageTable, pages, request: Request, other: _PageTable | None) -> int:
-    """Drop ``request`` from ``pages`` of ``table``; returns how many pages are now in neither
-    ``table`` nor ``other`` (when ``other`` is given: the host side's two tables)."""
-    if len(pages) >= BULK_PAGES and all(map(is_, map(table.get, pages), repeat(request))):
-        for page in pages:  # the request alone on every page: drop them all
-            del table[page]
-        return 0 if other is None else len(pages) - _count_in(other, pages)
-    idle = 0
-    for page in pages:
-        pending = table.get(page)
-        if pending is request:
-            del table[page]
-            if other is not None and page not in other:
-                idle += 1
-        elif type(pending) is list:
-            pending.remove(request)
-            if len(pending) == 1:
-                table[page] = pending[0]
-    return idle
+def _as_index(pages) -> np.ndarray:
+    if type(pages) is range:
+        return np.arange(pages.start, pages.stop, dtype=np.intp)
+    return np.fromiter(pages, dtype=np.intp, count=len(pages))
 
 
 class HazardTable:
-    def __init__(self) -> None:
-        self._writers: dict = {D2H: {}, H2D: {}}  # D2H writes host pages, H2D device pages
-        self._readers: dict = {D2H: {}, H2D: {}}  # D2H reads device pages, H2D host pages
-        #: host pages a pending copy reads or writes (a key of either host-side table); they
-        #: cannot be released
+    """The page states of one service (see the module docstring). ``host_pages``: how many
+    host pages the pool has (the busy count is kept per host page)."""
+
+    def __init__(self, host_pages: int) -> None:
+        self._writers = {D2H: _Table(), H2D: _Table()}  # D2H writes host pages, H2D device pages
+        self._readers = {D2H: _Table(), H2D: _Table()}  # D2H reads device pages, H2D host pages
+        #: pending copies per host page (as reader or writer); a page with any cannot be
+        #: released. Indexed one by one from Python, and through ``_host_refs_np`` by numpy.
+        self._host_refs = array.array("i", bytes(4 * host_pages))
+        self._host_refs_np = np.frombuffer(self._host_refs, dtype=np.int32)
+        #: host pages a pending copy reads or writes; they cannot be released
         self.busy_host_pages = 0
         #: pending requests whose device pages are unknown (any device page): id -> request
         self._any_page: dict = {D2H: {}, H2D: {}}
+        #: long requests' entries in all tables (while there are none, admission is all dicts)
+        self._bulk_entries = 0
 
     def host_pages_busy(self, pages) -> list[int]:
         """Those of ``pages`` (host pages) that a pending copy reads or writes."""
-        writers, readers = self._writers[D2H], self._readers[H2D]
-        if not writers and not readers:
+        if not self.busy_host_pages:
             return []
-        return [p for p in pages if p in writers or p in readers]
+        refs = self._host_refs
+        return [p for p in pages if refs[p]]
+
+    def _hold_host(self, pages) -> None:
+        """One more pending copy on each of ``pages`` (distinct host pages)."""
+        if len(pages) >= BULK_PAGES:
+            index = _as_index(pages)
+            refs = self._host_refs_np
+            refs[index] += 1
+            self.busy_host_pages += int(np.count_nonzero(refs[index] == 1))
+            return
+        refs = self._host_refs
+        fresh = 0
+        for page in pages:
+            held = refs[page]
+            refs[page] = held + 1
+            if not held:
+                fresh += 1
+        self.busy_host_pages += fresh
+
+    def _drop_host(self, pages) -> None:
+        """One pending copy less on each of ``pages`` (distinct host pages; a long request:
+        the short ones do this inline in :meth:`retire`)."""
+        index = _as_index(pages)
+        refs = self._host_refs_np
+        refs[index] -= 1
+        self.busy_host_pages -= int(np.count_nonzero(refs[index] == 0))
 
     def admit(self, request: Request) -> None:
         """Record ``request``'s dependencies on earlier requests and register its pages."""
         d = request.direction
         other = H2D if d is D2H else D2H
         reads, writes = request.read_and_write_pages()
+        loads = d is H2D
         found: dict[int, tuple[Request, bool]] | None = None  # id -> (request, needs its data)
-        # What I read was written by the other direction: read-after-write. And I am one more
-        # pending reader of it.
-        writers_of_reads: _PageTable = self._writers[other]
-        readers_of_mine: _PageTable = self._readers[d]
-        needs_data = d is H2D  # a prefetch needs the backup's bytes
-        # Host pages: a prefetch reads them, a backup writes them.
-        host_side_other = self._writers[D2H] if d is H2D else self._readers[H2D]
-        if (len(reads) >= BULK_PAGES and writers_of_reads.keys().isdisjoint(reads)
-                and readers_of_mine.keys().isdisjoint(reads)):
-            readers_of_mine.update(dict.fromkeys(reads, request))  # nothing to follow
-            if needs_data:
-                self.busy_host_pages += len(reads) - _count_in(host_side_other, reads)
-            reads = ()
-        for page in reads:
-            writers = writers_of_reads.get(page)
-            if writers is not None:
-                found = found if found is not None else {}
-                _depend(found, writers, needs_data)
-            if _add(readers_of_mine, page, request) and needs_data and page not in host_side_other:
-                self.busy_host_pages += 1
-        # What I write: after its pending writers (same direction) and readers (other one).
-        if writes:
-            writers_of_writes: _PageTable = self._writers[d]
-            readers_of_writes: _PageTable = self._readers[other]
-            if (len(writes) >= BULK_PAGES and writers_of_writes.keys().isdisjoint(writes)
-                    and readers_of_writes.keys().isdisjoint(writes)):
-                writers_of_writes.update(dict.fromkeys(writes, request))  # nothing to follow
-                if not needs_data:
-                    self.busy_host_pages += len(writes) - _count_in(host_side_other, writes)
-                writes = ()
-            for page in writes:
-                writers = writers_of_writes.get(page)
-                readers = readers_of_writes.get(page)
-                if writers is not None or readers is not None:
+        if self._bulk_entries or len(reads) >= BULK_PAGES or len(writes) >= BULK_PAGES:
+            found = {}
+            self._admit_tables(request, d, other, reads, writes, found)
+        else:  # the common case, inline: a few pages and no long request pending
+            # What I read was written by the other direction (read-after-write: a prefetch
+            # needs the backup's bytes); I am one more pending reader of it.
+            writers = self._writers[other].small
+            readers = self._readers[d].small
+            for page in reads:
+                pending = writers.get(page)
+                if pending is not None:
                     found = found if found is not None else {}
-                    if writers is not None:
-                        _depend(found, writers, False)
-                    if readers is not None:
-                        _depend(found, readers, False)
-                if (_add(writers_of_writes, page, request) and not needs_data
-                        and page not in host_side_other):
-                    self.busy_host_pages += 1
+                    _depend(found, pending, loads)
+                pending = readers.get(page)
+                if pending is None:
+                    readers[page] = request
+                elif type(pending) is list:
+                    pending.append(request)
+                else:
+                    readers[page] = [pending, request]
+            # What I write: after its pending writers (same direction) and readers (other).
+            if writes:
+                writers = self._writers[d].small
+                readers = self._readers[other].small
+                for page in writes:
+                    pending = writers.get(page)
+                    if pending is None:
+                        writers[page] = request
+                    else:
+                        found = found if found is not None else {}
+                        _depend(found, pending, False)
+                        if type(pending) is list:
+                            pending.append(request)
+                        else:
+                            writers[page] = [pending, request]
+                    pending = readers.get(page)
+                    if pending is not None:
+                        found = found if found is not None else {}
+                        _depend(found, pending, False)
+        host = reads if loads else writes
+        if host:
+            self._hold_host(host)
         any_read, any_written = self._any_page[D2H], self._any_page[H2D]
         if request.device_indices is not None:
-            found = self._follow_every_device_page(request, found)
-        elif any_written or (any_read and d is H2D):
+            found = found if found is not None else {}
+            self._follow_every_device_page(request, found)
+        elif any_written or (any_read and loads):
             # a known device page: after every pending load into unknown pages (both
             # directions), and for a load also after every pending backup of unknown pages
             found = found if found is not None else {}
             for pending in any_written.values():
                 found.setdefault(id(pending), (pending, False))
-            if d is H2D:
+            if loads:
                 for pending in any_read.values():
                     found.setdefault(id(pending), (pending, False))
         if found:
             request.deps = (*request.deps, *found.values())
 
-    def _follow_every_device_page(self, request: Request, found: dict | None) -> dict:
+    def _admit_tables(self, request: Request, d, other, reads, writes, found: dict) -> None:
+        """:meth:`admit`'s page work when a long request is involved (the general path)."""
+        if reads:
+            read_set = _as_set(reads)
+            self._writers[other].follow(found, reads, read_set, d is H2D)
+            self._add(self._readers[d], request, reads, read_set)
+        if writes:
+            write_set = _as_set(writes)
+            self._writers[d].follow(found, writes, write_set, False)
+            self._readers[other].follow(found, writes, write_set, False)
+            self._add(self._writers[d], request, writes, write_set)
+
+    def _add(self, table: _Table, request: Request, pages, page_set) -> None:
+        table.add(request, pages, page_set)
+        if page_set is not None:
+            self._bulk_entries += 1
+
+    def _follow_every_device_page(self, request: Request, found: dict) -> None:
         """Dependencies of a request on unknown device pages: every pending request that
         conflicts with it on some device page. Registers it as pending on every page."""
-        found = found if found is not None else {}
-        tables = [self._writers[H2D].values(), self._any_page[H2D].values()]  # loads: RAW/WAW
+        tables = [self._writers[H2D].requests(), self._any_page[H2D].values()]  # RAW/WAW
         if request.direction is H2D:  # a load also follows the backups still reading (WAR)
-            tables += [self._readers[D2H].values(), self._any_page[D2H].values()]
+            tables += [self._readers[D2H].requests(), self._any_page[D2H].values()]
         for table in tables:
             for pending in table:
-                _depend(found, pending, False)
+                pass  # MUTANT A
         self._any_page[request.direction][id(request)] = request
-        return found
 
     def register_fresh_host_writes(self, request: Request) -> None:
         """Register host pages allocated after admission (they were free: nothing to follow)."""
-        writers: _PageTable = self._writers[D2H]
         pages = request.host_pages
-        assert writers.keys().isdisjoint(pages) and self._readers[H2D].keys().isdisjoint(pages), \
-            "a free host page was in use"
         if len(pages) >= BULK_PAGES:
-            writers.update(dict.fromkeys(pages, request))
-        else:
-            for page in pages:
-                writers[page] = request
+            assert not self.host_pages_busy(pages), "a free host page was in use"
+            self._add(self._writers[D2H], request, pages, set(pages))
+            self._hold_host(pages)
+            return
+        writers, refs = self._writers[D2H].small, self._host_refs
+        for page in pages:
+            assert not refs[page], "a free host page was in use"
+            writers[page] = request
+            refs[page] = 1
         self.busy_host_pages += len(pages)
 
     def retire(self, request: Request) -> None:
         """Forget ``request`` (it ended: done, failed or cancelled)."""
         d = request.direction
-        reads, writes = request.read_and_write_pages()
+        device, host = request.device_pages, request.host_pages
+        if d is D2H:  # reads device pages, writes host pages
+            device_table, host_table = self._readers[D2H], self._writers[D2H]
+        else:
+            device_table, host_table = self._writers[H2D], self._readers[H2D]
         if request.device_indices is not None:
             self._any_page[d].pop(id(request), None)
-        if d is D2H:  # writes host pages
-            self.busy_host_pages -= _remove(self._writers[D2H], writes, request,
-                                            self._readers[H2D])
-            _remove(self._readers[D2H], reads, request, None)
-        else:  # reads host pages
-            _remove(self._writers[H2D], writes, request, None)
-            self.busy_host_pages -= _remove(self._readers[H2D], reads, request,
-                                            self._writers[D2H])
+        if len(device) >= BULK_PAGES:
+            device_table.remove_bulk(request)
+            self._bulk_entries -= 1
+        elif device:
+            _forget(device_table.small, request, device)
+        if host is None:
+            return
+        if len(host) >= BULK_PAGES:
+            host_table.remove_bulk(request)
+            self._bulk_entries -= 1
+            self._drop_host(host)
+            return
+        small, refs, idle = host_table.small, self._host_refs, 0
+        for page in host:
+            pending = small.get(page)
+            if pending is request:
+                del small[page]
+            elif type(pending) is list:
+                pending.remove(request)
+                if len(pending) == 1:
+                    small[page] = pending[0]
+            held = refs[page] - 1
+            refs[page] = held
+            if not held:
+                idle += 1
+        self.busy_host_pages -= idle
 
-    def __len__(self) -> int:
-        return (sum(len(t) for t in self._writers.values())
-                + sum(len(t) for t in self._readers.values())
-                + sum(len(t) for t in self._any_page.values()))
+
+def _forget(small: dict, request: Request, pages) -> None:
+    """Drop ``request`` from ``pages`` of a table's per-page entries."""
+    for page in pages:
+        pending = small.get(page)
+        if pending is request:
+            del small[page]
+        elif type(pending) is list:
+            pending.remove(request)
+            if len(pending) == 1:
+                small[page] = pending[0]

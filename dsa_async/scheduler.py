@@ -66,7 +66,7 @@ class Scheduler:
         self._queue_sorted = {d: True for d in Direction}  # appended in order: no sort needed
         self.inflight_bytes = {d: 0 for d in Direction}
         self.inflight_requests = 0
-        self.hazards = HazardTable()
+        self.hazards = HazardTable(pool.capacity_pages)
         self._batches: dict[BatchHandle, list[Request]] = {}
         self._host_wait_since: dict[Request, float] = {}
         self._pending_layers: dict[Request, list[tuple[int, asyncio.Future]]] = {}

@@ -33,6 +33,19 @@ class CaptureRecordingEngine(CpuEngine):
         return None
 
 
+class LateIndexEngine(CpuEngine):
+    """The CPU engine, deferring every index *tensor* the way the CUDA engine defers CUDA ones:
+    submit checks only its shape, and the worker reads the values when it resolves the batch,
+    after the request's producers (device_indices.py). Ranges, arrays and lists are still read
+    at submit."""
+
+    def defers_indices(self, tensor) -> bool:
+        return True
+
+    def stage_indices(self, tensor, producers):
+        return lambda: tensor.numpy()  # read when the worker resolves the batch
+
+
 def offset_layers(geometry, device_pages: int, offset_bytes: int, gap_bytes: int | None,
                   gen: torch.Generator) -> list[torch.Tensor]:
     """Per-layer ``uint8 [device_pages, row]`` tensors starting ``offset_bytes`` into their

@@ -17,7 +17,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from service_fixtures import PAGE, make_buffers, page_bytes, tokens
+from service_fixtures import PAGE, LateIndexEngine, make_buffers, page_bytes, tokens
 
 from dsa_async import Pages
 from dsa_async.config import PoolSize, ServiceConfig
@@ -29,16 +29,6 @@ from dsa_async.transfer.cpu import CpuEngine
 BOUND_S = 10
 LAYERS = 2
 DEVICE_PAGES = 16
-
-
-class LateIndexEngine(CpuEngine):
-    """The CPU engine, deferring index tensors as the CUDA engine defers CUDA ones."""
-
-    def defers_indices(self, tensor) -> bool:
-        return True
-
-    def stage_indices(self, tensor, producers):
-        return lambda: tensor.numpy()  # read when the worker resolves the batch
 
 
 def _service(tmp_path, engine=LateIndexEngine, host_pages: int = 32):

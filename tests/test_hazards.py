@@ -20,12 +20,24 @@ def _pages(draw, max_size: int) -> range | list[int]:
     return draw(st.lists(st.integers(0, PAGES - 1), min_size=1, max_size=max_size, unique=True))
 
 
+def _model_pages(request: Request) -> tuple:
+    """Reads and writes in the model: unknown device pages (device indices the engine reads
+    later) are every device page."""
+    reads, writes = request.read_and_write_pages()
+    if request.device_indices is not None:
+        if request.direction is D2H:
+            reads = range(PAGES)
+        else:
+            writes = range(PAGES)
+    return reads, writes
+
+
 def _expected_deps(new: Request, pending: list[Request]) -> dict[int, bool]:
     """Every pending request the new one must follow, and whether it needs its data."""
-    reads, writes = new.read_and_write_pages()
+    reads, writes = _model_pages(new)
     deps: dict[int, bool] = {}
     for p in pending:
-        p_reads, p_writes = p.read_and_write_pages()
+        p_reads, p_writes = _model_pages(p)
         other = p.direction is not new.direction
         read_after_write = other and not set(p_writes).isdisjoint(reads)
         needs = read_after_write and new.direction is H2D  # a load needs the backup's bytes
@@ -36,18 +48,18 @@ def _expected_deps(new: Request, pending: list[Request]) -> dict[int, bool]:
     return deps
 
 
-def _busy_host_pages(pending: list[Request]) -> int:
+def _busy_host_pages(pending: list[Request]) -> set[int]:
     busy: set[int] = set()
     for p in pending:
         host = p.host_pages if p.host_pages is not None else ()
         busy.update(host)
-    return len(busy)
+    return busy
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.data())
 def test_dependencies_and_busy_pages_match_a_brute_force_model(data):
-    table = HazardTable()
+    table = HazardTable(PAGES)
     pending: list[Request] = []
     fresh: list[Request] = []  # backups admitted without host pages yet
     for _ in range(data.draw(st.integers(1, 30))):
@@ -61,8 +73,8 @@ def test_dependencies_and_busy_pages_match_a_brute_force_model(data):
             request = fresh.pop(0)
             used = {p for r in pending for p in (r.read_and_write_pages()[1] if r.direction is D2H
                                                  else r.read_and_write_pages()[0])}
-            free = [p for p in range(PAGES) if p not in used][:len(request.device_pages)]
-            if len(free) < len(request.device_pages):
+            free = [p for p in range(PAGES) if p not in used][:request.num_pages]
+            if len(free) < request.num_pages:
                 continue
             request.host_pages = free
             table.register_fresh_host_writes(request)
@@ -74,7 +86,12 @@ def test_dependencies_and_busy_pages_match_a_brute_force_model(data):
             host = None if without_host else data.draw(
                 st.lists(st.integers(0, PAGES - 1), min_size=len(device),
                          max_size=len(device), unique=True))
-            request = Request(direction, device, host, without_host, None, 0, 0.0, 0, 0, None)
+            unknown = data.draw(st.integers(0, 4)) == 0  # device indices read later
+            request = Request(direction, range(0) if unknown else device, host, without_host,
+                              None, 0, 0.0, 0, 0, None)
+            if unknown:
+                request.device_indices = object()  # only whether it is set matters here
+                request.num_pages = len(device)
             expected = _expected_deps(request, pending)
             table.admit(request)
             got = {dep.seq: needs for dep, needs in request.deps}
@@ -82,7 +99,12 @@ def test_dependencies_and_busy_pages_match_a_brute_force_model(data):
             pending.append(request)
             if without_host:
                 fresh.append(request)
-        assert table.busy_host_pages == _busy_host_pages(pending)
+        busy = _busy_host_pages(pending)
+        assert table.busy_host_pages == len(busy)
+        assert table.host_pages_busy(range(PAGES)) == sorted(busy)
     for request in pending:
         table.retire(request)
-    assert len(table) == 0 and table.busy_host_pages == 0
+    assert table.busy_host_pages == 0
+    everything = Request(H2D, range(PAGES), list(range(PAGES)), False, None, 0, 0.0, 0, 0, None)
+    table.admit(everything)  # nothing is left to follow
+    assert everything.deps == ()
