@@ -17,7 +17,9 @@
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="$(realpath -m "${DSA_SGLANG_VENV:-$HOME/.cache/dsa_async/sglang-venv}")"
+# HOME may be unset in a bare CI environment (set -u): fall back to the account's home.
+home="${HOME:-$(getent passwd "$(id -u)" | cut -d: -f6)}"
+VENV="$(realpath -m "${DSA_SGLANG_VENV:-$home/.cache/dsa_async/sglang-venv}")"
 BASE_PYTHON="${PYTHON:-python3}"
 
 # The CPU build of torch; this machine keeps its wheel locally, so it installs fast. Every later
