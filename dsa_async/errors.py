@@ -19,6 +19,11 @@ class ConfigError(DsaAsyncError, ValueError):
     """A configuration value is out of range or not one of the accepted values."""
 
 
+class UnsupportedSettingError(ConfigError):
+    """A host server's setting that an integration cannot serve (the message names the flag to
+    change); raised at start, before anything is allocated."""
+
+
 class IndexValueError(DsaAsyncError, ValueError):
     """An index tensor has a bad value or shape: negative, out of range, 2-D, mismatched lengths."""
 

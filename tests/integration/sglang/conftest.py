@@ -65,3 +65,25 @@ def dsa_hicache(tmp_path: Path) -> Iterator[Callable[..., DsaHiCache]]:
     yield build
     for cache in reversed(built):
         cache.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def plugins_loaded_as_an_operator_launches() -> Iterator[None]:
+    """SGLang loads plug-ins once per process (``load_plugins``); an operator who wants this one
+    launches with ``DSA_ASYNC_SGLANG=1``. So it is loaded here once, opted in, and the variable
+    is removed again: each test then opts in or not for its own build (``env=``), which the
+    strategy reads when SGLang builds the cache."""
+    import os
+
+    from sglang.srt.plugins import load_plugins
+
+    had = os.environ.get("DSA_ASYNC_SGLANG")
+    os.environ["DSA_ASYNC_SGLANG"] = "1"
+    try:
+        load_plugins()
+    finally:
+        if had is None:
+            del os.environ["DSA_ASYNC_SGLANG"]
+        else:
+            os.environ["DSA_ASYNC_SGLANG"] = had
+    yield

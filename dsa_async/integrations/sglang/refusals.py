@@ -1,0 +1,81 @@
+"""What the SGLang plug-in does not serve, refused when SGLang builds the cache, before anything
+is allocated, each naming the SGLang flag (or model setting) to change.
+
+The user asked for the plug-in (``DSA_ASYNC_SGLANG=1``), so an unsupported setting fails the
+start loudly instead of silently falling back to SGLang's own cache. Pure checks; no SGLang
+state is changed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ...errors import UnsupportedSettingError
+
+#: ``--hicache-mem-layout`` values whose host bytes are views of the service's arenas: MLA KV
+#: and indexer both block-split per page and per layer (see strategy.py).
+SUPPORTED_MEM_LAYOUTS = ("layer_first", "page_first_direct")
+#: ``--hicache-storage-backend`` values whose host memory is allocated by the backend itself.
+_OWN_ALLOCATOR_BACKENDS = ("mooncake", "mori", "shm", "tensorcast", "npu_memcache")
+_UNSET_BY = f"or unset DSA_ASYNC_SGLANG to let SGLang build its own cache"
+
+
+def check_supported(*, kvcache: Any, params: Any, memory: Any, storage_backend: str | None,
+                    parallel: Any = None) -> None:
+    """Raise ``UnsupportedSettingError`` for the first setting the plug-in cannot serve."""
+    for problem in _problems(kvcache, params, memory, storage_backend, parallel):
+        raise UnsupportedSettingError(f"dsa_async SGLang plug-in: {problem}; {_UNSET_BY}")
+
+
+def _problems(kvcache: Any, params: Any, memory: Any, storage_backend: str | None,
+              parallel: Any):
+    if getattr(torch.version, "hip", None):
+        yield ("ROCm/HIP builds are not supported (SGLang's DSA pool there uses 1-token pages); "
+               "run on CUDA")
+    if getattr(params, "mtp_draft_device_pools", None):
+        yield ("MTP draft KV pools (--speculative-algorithm with a DSA draft model) are not "
+               "moved by the service; run without speculative decoding")
+    if any(getattr(kvcache, "skip_topk_layers", None) or ()):
+        yield ("layers that reuse another layer's top-k (skip_topk_layers, from the model "
+               "config's index_topk_freq / indexer_types) have no indexer rows; use a model "
+               "config where every layer has its own indexer")
+    if getattr(kvcache, "index_kpool", 1) != 1:
+        yield (f"index_kpool={kvcache.index_kpool} (model config) packs several indexer pages "
+               f"per KV page; only index_kpool=1 is supported")
+    dcp_size = getattr(parallel, "attn_dcp_size", 1) if parallel is not None else 1
+    if getattr(kvcache, "dcp_replicated", False) or (dcp_size or 1) > 1:
+        yield "decode context parallelism (--dcp-size > 1) widens the indices; use --dcp-size 1"
+    kinds = {cls.__name__ for cls in type(kvcache).__mro__}
+    if "PageInterleaveKVPoolMixin" in kinds:
+        yield ("page-interleaved KV sharding (--enable-kv-cache-sharding) is not supported; "
+               "turn it off")
+    if "HiSparseDSATokenToKVPool" in kinds:
+        yield "HiSparse (--enable-hisparse) pools are not supported; turn it off"
+    if "LayerSplitDSATokenToKVPool" in kinds or getattr(kvcache, "layer_shard_enabled", False):
+        yield ("layer-split DSA caches (--enable-dsa-cache-layer-split) are not supported; "
+               "turn it off")
+    mode = getattr(memory, "hicache_host_memory_mode", None)
+    if mode == "buffer_only":
+        yield ("--hicache-host-memory-mode buffer_only keeps no host cache to serve; use the "
+               "default mode")
+    layout = getattr(memory, "hicache_mem_layout", None)
+    if layout not in SUPPORTED_MEM_LAYOUTS:
+        yield (f"--hicache-mem-layout {layout} is not supported: the service's host pages are "
+               f"block-split per layer, which SGLang's {' and '.join(SUPPORTED_MEM_LAYOUTS)} "
+               f"layouts match; pass --hicache-mem-layout layer_first (or page_first_direct)")
+    io_backend = getattr(memory, "hicache_io_backend", None)
+    if io_backend not in ("kernel", "direct"):
+        yield (f"--hicache-io-backend {io_backend} is not supported; use kernel or direct (the "
+               f"service does the copies either way)")
+    backend = storage_backend or getattr(memory, "hicache_storage_backend", None)
+    if backend in _OWN_ALLOCATOR_BACKENDS:
+        yield (f"--hicache-storage-backend {backend} allocates the host memory itself (and "
+               f"forces its own layout); use file, nixl, hf3fs or no storage backend")
+    if getattr(memory, "enable_unified_memory", False):
+        yield "--enable-unified-memory is not supported; turn it off"
+    if getattr(params, "pp_size", 1) > 1:
+        yield "pipeline parallelism (--pp-size > 1) is not supported; use --pp-size 1"
+    if getattr(params, "attn_cp_size", 1) > 1:
+        yield "attention context parallelism (--attn-cp-size > 1) is not supported"
