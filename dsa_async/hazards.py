@@ -271,7 +271,7 @@ class HazardTable:
             tables += [self._readers[D2H].requests(), self._any_page[D2H].values()]
         for table in tables:
             for pending in table:
-                pass  # MUTANT A
+                found.setdefault(id(pending), (pending, False))
         self._any_page[request.direction][id(request)] = request
 
     def register_fresh_host_writes(self, request: Request) -> None:
