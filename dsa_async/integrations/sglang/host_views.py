@@ -162,6 +162,8 @@ class ArenaViews:
         self.whole_pool = self.owner.run(lambda: _take_all(service))
 
     def stop(self) -> None:
+        """Drain and close the service (blocks); the arenas go with the last view of them."""
+        self.whole_pool = None
         if self.owner is not None:
             self.owner.stop()
 

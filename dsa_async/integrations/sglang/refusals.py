@@ -19,18 +19,21 @@ from ...errors import UnsupportedSettingError
 SUPPORTED_MEM_LAYOUTS = ("layer_first", "page_first_direct")
 #: ``--hicache-storage-backend`` values whose host memory is allocated by the backend itself.
 _OWN_ALLOCATOR_BACKENDS = ("mooncake", "mori", "shm", "tensorcast", "npu_memcache")
-_UNSET_BY = f"or unset DSA_ASYNC_SGLANG to let SGLang build its own cache"
+_UNSET_BY = "or unset DSA_ASYNC_SGLANG to let SGLang build its own cache"
 
 
 def check_supported(*, kvcache: Any, params: Any, memory: Any, storage_backend: str | None,
-                    parallel: Any = None) -> None:
-    """Raise ``UnsupportedSettingError`` for the first setting the plug-in cannot serve."""
-    for problem in _problems(kvcache, params, memory, storage_backend, parallel):
+                    parallel: Any = None, host_allocator: str | None = None) -> None:
+    """Raise ``UnsupportedSettingError`` for the first setting the plug-in cannot serve.
+    ``host_allocator``: SGLang's ``get_allocator_type()`` (a ``dynamic`` storage backend may
+    ask for shared memory in its extra config)."""
+    for problem in _problems(kvcache, params, memory, storage_backend, parallel,
+                             host_allocator):
         raise UnsupportedSettingError(f"dsa_async SGLang plug-in: {problem}; {_UNSET_BY}")
 
 
 def _problems(kvcache: Any, params: Any, memory: Any, storage_backend: str | None,
-              parallel: Any):
+              parallel: Any, host_allocator: str | None):
     if getattr(torch.version, "hip", None):
         yield ("ROCm/HIP builds are not supported (SGLang's DSA pool there uses 1-token pages); "
                "run on CUDA")
@@ -39,8 +42,9 @@ def _problems(kvcache: Any, params: Any, memory: Any, storage_backend: str | Non
                "moved by the service; run without speculative decoding")
     if any(getattr(kvcache, "skip_topk_layers", None) or ()):
         yield ("layers that reuse another layer's top-k (skip_topk_layers, from the model "
-               "config's index_topk_freq / indexer_types) have no indexer rows; use a model "
-               "config where every layer has its own indexer")
+               "config's index_topk_freq, indexer_types, index_topk_pattern, "
+               "index_skip_topk_offset or cli_factor) have no indexer rows; use a model config "
+               "where every layer has its own indexer")
     if getattr(kvcache, "index_kpool", 1) != 1:
         yield (f"index_kpool={kvcache.index_kpool} (model config) packs several indexer pages "
                f"per KV page; only index_kpool=1 is supported")
@@ -60,6 +64,13 @@ def _problems(kvcache: Any, params: Any, memory: Any, storage_backend: str | Non
     if mode == "buffer_only":
         yield ("--hicache-host-memory-mode buffer_only keeps no host cache to serve; use the "
                "default mode")
+    # Before the layout: these backends make SGLang rewrite the layout the user passed.
+    backend = storage_backend or getattr(memory, "hicache_storage_backend", None)
+    if backend in _OWN_ALLOCATOR_BACKENDS or host_allocator in _OWN_ALLOCATOR_BACKENDS:
+        how = backend if backend in _OWN_ALLOCATOR_BACKENDS else (
+            f"{backend} (with a {host_allocator} allocator in its extra config)")
+        yield (f"--hicache-storage-backend {how} allocates the host memory itself (and "
+               f"forces its own layout); use file, nixl, hf3fs or no storage backend")
     layout = getattr(memory, "hicache_mem_layout", None)
     if layout not in SUPPORTED_MEM_LAYOUTS:
         yield (f"--hicache-mem-layout {layout} is not supported: the service's host pages are "
@@ -69,10 +80,6 @@ def _problems(kvcache: Any, params: Any, memory: Any, storage_backend: str | Non
     if io_backend not in ("kernel", "direct"):
         yield (f"--hicache-io-backend {io_backend} is not supported; use kernel or direct (the "
                f"service does the copies either way)")
-    backend = storage_backend or getattr(memory, "hicache_storage_backend", None)
-    if backend in _OWN_ALLOCATOR_BACKENDS:
-        yield (f"--hicache-storage-backend {backend} allocates the host memory itself (and "
-               f"forces its own layout); use file, nixl, hf3fs or no storage backend")
     if getattr(memory, "enable_unified_memory", False):
         yield "--enable-unified-memory is not supported; turn it off"
     if getattr(params, "pp_size", 1) > 1:

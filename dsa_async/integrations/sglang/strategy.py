@@ -52,8 +52,6 @@ class DsaAsyncStrategy(_DsaStrategy):
 
     def __init__(self) -> None:
         self._declined: set[str] = set()
-        #: the ArenaViews of every cache this strategy built (their services), newest last
-        self.built: list[ArenaViews] = []
 
     def matches(self, kvcache: Any, components: Any) -> bool:
         if not opted_in():
@@ -75,8 +73,11 @@ class DsaAsyncStrategy(_DsaStrategy):
             parallel = get_parallel()
         except (RuntimeError, ValueError):  # not published (a bare test build)
             parallel = None
+        from sglang.srt.mem_cache.pool_host.common import get_allocator_type
+
         check_supported(kvcache=kvcache, params=params, memory=memory,
-                        storage_backend=storage_backend, parallel=parallel)
+                        storage_backend=storage_backend, parallel=parallel,
+                        host_allocator=get_allocator_type())
         views = ArenaViews(kvcache=kvcache, mem_layout=memory.hicache_mem_layout,
                            agree_pages=lambda pages: _agree_over_tp(pages, params),
                            service_options=dict(SERVICE_OPTIONS))
@@ -95,7 +96,6 @@ class DsaAsyncStrategy(_DsaStrategy):
         except BaseException:
             views.stop()
             raise
-        self.built.append(views)
         return result
 
     @staticmethod

@@ -218,6 +218,26 @@ def test_storage_backend_with_its_own_host_allocator_is_refused(
     watch.assert_nothing_allocated()
 
 
+@pytest.mark.parametrize("backend", ["mooncake", "npu_memcache"])
+def test_a_backend_that_rewrites_the_layout_is_named_not_the_layout(dsa_hicache, caplog, watch,
+                                                                    backend):
+    # SGLang turns layer_first into page_first for these; the refusal names the backend the
+    # user chose, not a layout the user never passed.
+    message = refused_by_sglangs_build(dsa_hicache, caplog, mem_layout="layer_first",
+                                       io_backend="direct", storage_backend=backend)
+    assert f"--hicache-storage-backend {backend} allocates the host memory itself" in message
+    watch.assert_nothing_allocated()
+
+
+def test_a_dynamic_backend_asking_for_shared_memory_is_refused(dsa_hicache, caplog, watch):
+    message = refused_by_sglangs_build(
+        dsa_hicache, caplog, mem_layout="page_first_direct", io_backend="direct",
+        storage_backend="dynamic",
+        extra_server_args={"hicache_storage_backend_extra_config": '{"allocator": "shm"}'})
+    assert "--hicache-storage-backend dynamic (with a shm allocator" in message
+    watch.assert_nothing_allocated()
+
+
 def test_index_kpool_above_one_is_refused(dsa_hicache, caplog, watch):
     # SGLang's DSA pool needs 64-token indexer pages: page_size / index_kpool == 64.
     message = refused_by_sglangs_build(dsa_hicache, caplog, mem_layout="layer_first",
