@@ -311,15 +311,9 @@ class HazardTable:
             self._bulk_entries -= 1
             self._drop_host(host)
             return
-        small, refs, idle = host_table.small, self._host_refs, 0
+        _forget(host_table.small, request, host)
+        refs, idle = self._host_refs, 0
         for page in host:
-            pending = small.get(page)
-            if pending is request:
-                del small[page]
-            elif type(pending) is list:
-                pending.remove(request)
-                if len(pending) == 1:
-                    small[page] = pending[0]
             held = refs[page] - 1
             refs[page] = held
             if not held:

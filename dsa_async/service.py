@@ -435,13 +435,7 @@ class OffloadService:
         """Validate and prepare an eviction (see :meth:`_prepare`). Any thread."""
         on_device = self._on_device(device_tokens)
         if host_tokens is None:
-            if on_device is None:
-                device_pages, padding = tokens_to_page_seq(
-                    device_tokens, "device_tokens", self._device_token_bound,
-                    self._page_size_tokens)
-                num_pages = len(device_pages)
-            else:
-                device_pages, padding, num_pages = _EMPTY, 0, on_device.num_pages
+            device_pages, padding, num_pages = self._device_side(device_tokens, on_device)
             if num_pages > self._capacity_pages:
                 raise HostPoolExhausted(
                     f"evict() of {num_pages} pages can never fit: the host pool holds "
@@ -456,6 +450,16 @@ class OffloadService:
             device_pages, padding, owns = _EMPTY, 0, False
         return self._prepare(scheduler, D2H, device_pages, host_pages, owns,
                              after, priority, NO_DEADLINE, padding, captured, on_loop, on_device)
+
+    def _device_side(self, device_tokens, on_device: _OnDevice | None
+                     ) -> tuple[PageSeq, int, int]:
+        """Device pages, padding tokens and page count of ``device_tokens`` (no pages yet for
+        indices the engine reads later). Any thread."""
+        if on_device is not None:
+            return _EMPTY, 0, on_device.num_pages
+        device_pages, padding = tokens_to_page_seq(
+            device_tokens, "device_tokens", self._device_token_bound, self._page_size_tokens)
+        return device_pages, padding, len(device_pages)
 
     def _on_device(self, device_tokens) -> _OnDevice | None:
         """For a device index tensor that is not on the CPU (or ``Pages`` of one): what its
@@ -529,13 +533,7 @@ class OffloadService:
                 raise IndexTypeError(
                     f"host must be a HostPages handle, got {type(host).__name__}; a bare "
                     f"tensor is ambiguous (tokens or pages?): pass host_tokens=tensor instead")
-            if on_device is None:
-                device_pages, padding = tokens_to_page_seq(
-                    device_tokens, "device_tokens", self._device_token_bound,
-                    self._page_size_tokens)
-                num_pages = len(device_pages)
-            else:
-                device_pages, padding, num_pages = _EMPTY, 0, on_device.num_pages
+            device_pages, padding, num_pages = self._device_side(device_tokens, on_device)
             if on_loop:
                 self._pool.check_owned(host)
             else:  # two lookups, safe off the loop; the loop checks again when it accepts

@@ -49,6 +49,13 @@ def _same(a: dict, b: dict) -> bool:
     return all(torch.equal(x, y) for name in a for x, y in zip(a[name], b[name], strict=True))
 
 
+def _backed_up_as(service, result, expected: dict) -> bool:
+    """Whether the host pages of an eviction's result hold ``expected`` (per pool, per layer)."""
+    host = torch.as_tensor(result.host_pages.pages)
+    return all(torch.equal(arena[layer][host], expected[name][layer])
+               for name, arena in service.host_pool.arenas.items() for layer in range(LAYERS))
+
+
 def _cause_chain(error):
     while error is not None:
         yield error
@@ -109,10 +116,7 @@ async def test_device_indices_are_read_after_the_requests_producers(tmp_path):
         expected = page_bytes(buffers, [6, 1])
         written.set()
         result = await transfer
-        host = torch.as_tensor(result.host_pages.pages)
-        for name, arena in service.host_pool.arenas.items():
-            for layer in range(LAYERS):
-                assert torch.equal(arena[layer][host], expected[name][layer])
+        assert _backed_up_as(service, result, expected)
         service.release(result.host_pages)
 
 
@@ -220,10 +224,7 @@ async def test_a_load_into_a_page_waits_for_an_earlier_backup_of_unknown_pages(t
         gate.set()
         result = await backup
         await load
-        host = torch.as_tensor(result.host_pages.pages)
-        for name, arena in service.host_pool.arenas.items():
-            for layer in range(LAYERS):
-                assert torch.equal(arena[layer][host], original[name][layer])
+        assert _backed_up_as(service, result, original)
 
 
 async def test_a_backup_of_a_page_waits_for_an_earlier_load_into_unknown_pages(tmp_path):
@@ -239,10 +240,7 @@ async def test_a_backup_of_a_page_waits_for_an_earlier_load_into_unknown_pages(t
         gate.set()
         await load
         result = await backup
-        host = torch.as_tensor(result.host_pages.pages)
-        for name, arena in service.host_pool.arenas.items():
-            for layer in range(LAYERS):
-                assert torch.equal(arena[layer][host], loaded[name][layer])
+        assert _backed_up_as(service, result, loaded)
 
 
 async def test_a_backup_of_unknown_pages_waits_for_an_earlier_load_into_a_page(tmp_path):
@@ -258,8 +256,5 @@ async def test_a_backup_of_unknown_pages_waits_for_an_earlier_load_into_a_page(t
         gate.set()
         await load
         result = await backup
-        host = torch.as_tensor(result.host_pages.pages)
-        for name, arena in service.host_pool.arenas.items():
-            for layer in range(LAYERS):
-                assert torch.equal(arena[layer][host], loaded[name][layer])
+        assert _backed_up_as(service, result, loaded)
         assert service.statistics().in_flight_pages == 0
