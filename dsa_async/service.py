@@ -154,6 +154,7 @@ class OffloadService:
         self._captured: object = _NOT_CAPTURED
         self._capacity_pages = 0  # host pages in all (read by submitting threads)
         self._inbox: ThreadInbox | None = None  # what threads without a loop hand over
+        self._engine_defers_indices = False  # whether the engine may read any index late
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -199,6 +200,8 @@ class OffloadService:
         # Off the loop: the CUDA engine page-locks the arenas here, which takes a while.
         self._engine = await asyncio.to_thread(
             factory, bindings, handoff, self._on_batch_done, fault_hook=self._fault_hook)
+        self._engine_defers_indices = (type(self._engine).defers_indices
+                                       is not TransferEngine.defers_indices)
         self._scheduler = Scheduler(config, self._pool, self._engine, self.metrics, loop,
                                     self._pressure)
         self._inbox = ThreadInbox(loop, self._accept_posted, self._take_posted_release)
@@ -466,6 +469,9 @@ class OffloadService:
         shape says, to be read by the engine after the request's producers; ``None`` for
         anything read here. Refused (``IndexTypeError``) by an engine that reads only CPU
         index tensors. Any thread; reads no values."""
+        if (type(device_tokens) is torch.Tensor and not self._engine_defers_indices
+                and device_tokens.is_cpu):
+            return None  # the common case, read here: no further look
         tensor = index_tensor(device_tokens)
         if tensor is None:
             return None
