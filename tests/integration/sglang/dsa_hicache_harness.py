@@ -15,7 +15,9 @@
    ``UnifiedRadixCache.init_hicache`` -> ``hybrid_pool_assembler``'s strategy selection
    (``_select_strategy``: registered strategies first, then ``_DsaStrategy``) -> host pools +
    ``HybridCacheController``; ``_apply_stack_result`` and ``registry.py:197`` register the
-   controller's layer counter on the device pool and on the worker;
+   controller's layer counter on the device pool and on the worker. The process groups are a
+   one-rank gloo group, or, for one rank of several processes, that rank's real groups
+   (``CacheGroups``, ``build_dsa_hicache(..., groups=)``);
 5. the controller's fences set to the forward stream as ``managers/scheduler.py:616-623`` does.
 
 The driving helpers (``DsaHiCache.insert``, ``pump``, ``evict_device``, ``load_back``,
@@ -206,6 +208,37 @@ def single_rank_gloo_group() -> Any:
     return _SINGLE_RANK_GROUP
 
 
+@dataclasses.dataclass(frozen=True)
+class CacheGroups:
+    """The process groups one rank hands SGLang's cache, as the scheduler does.
+
+    ``kv_cache_builder.py:402-405`` fills ``CacheInitParams`` with the CPU (gloo) groups
+    ``tp_cache_group`` (the DP-TP group), ``attn_tp_cache_group``, ``attn_cp_cache_group`` and
+    ``pp_cache_group``; the tree-cache context gets the TP size, rank and group. A build without
+    ``CacheGroups`` uses one one-rank group for all four (``single_rank_gloo_group``); a build on
+    one rank of several passes the real groups of that rank (e.g. tp and attn_tp over all ranks,
+    attn_cp and pp one-rank groups of its own for plain tensor parallelism).
+    """
+
+    tp: Any
+    attn_tp: Any
+    attn_cp: Any
+    pp: Any
+
+    @classmethod
+    def single_rank(cls) -> CacheGroups:
+        group = single_rank_gloo_group()
+        return cls(tp=group, attn_tp=group, attn_cp=group, pp=group)
+
+    @property
+    def tp_rank(self) -> int:
+        return dist.get_rank(group=self.tp)
+
+    @property
+    def tp_size(self) -> int:
+        return dist.get_world_size(group=self.tp)
+
+
 @contextlib.contextmanager
 def _environment(values: Mapping[str, str]) -> Iterator[None]:
     saved = {name: os.environ.get(name) for name in values}
@@ -251,9 +284,13 @@ class DeviceBytes:
 class DsaHiCache:
     """SGLang's DSA hierarchical cache on one CPU rank, with scheduler-like driving helpers."""
 
-    def __init__(self, settings: DsaHiCacheSettings, workdir: Path) -> None:
+    def __init__(self, settings: DsaHiCacheSettings, workdir: Path,
+                 groups: Optional[CacheGroups] = None) -> None:
+        """``groups``: the process groups of this rank when it is one of several TP ranks
+        (each rank a process that builds its own cache); ``None``: one CPU rank."""
         self.settings = settings
         self.workdir = Path(workdir)
+        self._groups = groups
         self._exit = contextlib.ExitStack()
         self._next_rid = 0
         try:
@@ -299,10 +336,13 @@ class DsaHiCache:
         server_args_fields.update(s.extra_server_args)
         with gpu_capability_for_arg_resolution(s.gpu_capability):
             self.server_args = ServerArgs(**server_args_fields)
-            publish(self.server_args, role="scheduler", ranks=SpawnRanks(world_rank=0))
+            # The launcher's placement: the rank in the default group of a multi-rank build.
+            world_rank = dist.get_rank() if self._groups is not None else 0
+            publish(self.server_args, role="scheduler", ranks=SpawnRanks(world_rank=world_rank))
         self.model_config = ModelConfig.from_server_args(self.server_args)
 
-        self.group = single_rank_gloo_group()
+        self.groups = self._groups if self._groups is not None else CacheGroups.single_rank()
+        self.group = self.groups.tp
         self.kv_pool, self.allocator, self.req_to_token_pool = self._build_device_pools()
 
         self.forward_stream = get_device_module().Stream()
@@ -376,10 +416,10 @@ class DsaHiCache:
             req_to_token_pool=self.req_to_token_pool,
             token_to_kv_pool_allocator=self.allocator,
             page_size=self.settings.page_size_tokens,
-            tp_cache_group=self.group,
-            attn_cp_cache_group=self.group,
-            attn_tp_cache_group=self.group,
-            pp_cache_group=self.group,
+            tp_cache_group=self.groups.tp,
+            attn_cp_cache_group=self.groups.attn_cp,
+            attn_tp_cache_group=self.groups.attn_tp,
+            pp_cache_group=self.groups.pp,
         )
         context = TreeCacheBuildContext(
             server_args=self.server_args,
@@ -390,9 +430,9 @@ class DsaHiCache:
             disable_radix_cache=False,
             tp_worker=self.worker,
             model_config=self.model_config,
-            tp_size=1,
-            tp_rank=0,
-            tp_group=self.group,
+            tp_size=self.groups.tp_size,
+            tp_rank=self.groups.tp_rank,
+            tp_group=self.groups.tp,
             is_dsa=True,
         )
         return create_tree_cache(context)
@@ -626,5 +666,6 @@ class DsaHiCache:
         self.req_to_token_pool.free(load.req)
 
 
-def build_dsa_hicache(settings: DsaHiCacheSettings, workdir: Path) -> DsaHiCache:
-    return DsaHiCache(settings, workdir)
+def build_dsa_hicache(settings: DsaHiCacheSettings, workdir: Path,
+                      groups: Optional[CacheGroups] = None) -> DsaHiCache:
+    return DsaHiCache(settings, workdir, groups)
