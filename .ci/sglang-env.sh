@@ -55,6 +55,16 @@ project_hash="$({ echo "$REPO"; cat "$REPO/pyproject.toml"; } | sha256sum | cut 
 
 stamp_is() { [ -f "$1" ] && [ "$(cat "$1")" = "$2" ]; }
 
+# SGLang's "file" L3 backend compiles a small C++ extension (hicache_hash_cpp) on first use:
+# it needs a C++ compiler and the OpenSSL headers (0.5.23 has no Python fallback).
+if ! command -v g++ >/dev/null 2>&1 || [ ! -f /usr/include/openssl/sha.h ]; then
+    log "installing g++ and libssl-dev (SGLang's file backend builds an extension with them)"
+    as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo -n "$@"; fi; }
+    export DEBIAN_FRONTEND=noninteractive
+    as_root apt-get update -qq >&2
+    as_root apt-get install -y -qq --no-install-recommends g++ libssl-dev >/dev/null
+fi
+
 mkdir -p "$(dirname "$VENV")"
 exec 9>"$VENV.lock"
 flock 9  # two runs at once would install into the same venv

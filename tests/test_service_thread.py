@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 from service_fixtures import PAGE, make_buffers, page_bytes, tokens
@@ -11,6 +14,7 @@ from dsa_async.config import PoolSize, ServiceConfig
 from dsa_async.errors import HostBudgetExceeded
 from dsa_async.geometry import dsa_indexer
 from dsa_async.integrations.loop_thread import ServiceThread
+from dsa_async.ledger import HostLedger
 from dsa_async.service import ServiceState
 
 WAIT_S = 10
@@ -60,3 +64,30 @@ def test_stop_drains_what_was_submitted(tmp_path):
     stopper.join(WAIT_S)
     assert not stopper.is_alive()
     assert transfer.wait(WAIT_S).pages == 3  # it completed during the drain
+
+
+def test_interpreter_exit_without_stop_closes_the_service_and_returns_the_reservation(tmp_path):
+    # A host that never calls stop(): the exit hook must still drain, close the engine and
+    # release the ledger entry (close() hands those steps to worker threads, which refuse
+    # work once the interpreter's own exit handlers ran).
+    script = "\n".join([
+        "import logging, sys",
+        "logging.basicConfig(level=logging.ERROR, stream=sys.stderr)",
+        f"sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})",
+        "from service_fixtures import make_buffers, tokens",
+        "from dsa_async.config import PoolSize, ServiceConfig",
+        "from dsa_async.geometry import dsa_indexer",
+        "from dsa_async.integrations.loop_thread import ServiceThread",
+        "config = ServiceConfig(geometries=(dsa_indexer(num_layers=2),),"
+        " host_pool=PoolSize(pages=16), backend='cpu',"
+        f" ledger_directory={str(tmp_path / 'ledger')!r})",
+        "owner = ServiceThread.start(config, make_buffers(dsa_indexer(num_layers=2), 8))",
+        "owner.service.evict_threadsafe(tokens([1])).wait(10)",
+        "print('started', flush=True)",
+    ])
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "started" in done.stdout
+    assert done.stderr == "", done.stderr  # nothing failed while closing at exit
+    assert HostLedger(str(tmp_path / "ledger")).peek() == ()

@@ -8,8 +8,9 @@ service's ``*_threadsafe`` methods, ``Transfer.wait`` / ``wait_layer`` and ``cal
 
 ``stop()`` drains the service on its loop (``close()``: started copies complete, the host pool
 and the ledger reservation are returned), then ends the loop and joins the thread. It runs at
-interpreter exit too (``atexit``), for a host that never calls it; a process killed outright
-returns nothing itself, and the next start's ledger reclaims the dead process's reservation.
+interpreter exit too, for a host that never calls it (early enough that ``close()`` can still
+use its worker threads); a process killed outright returns nothing itself, and the next
+start's ledger reclaims the dead process's reservation.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import atexit
 import concurrent.futures
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
@@ -79,7 +81,7 @@ class ServiceThread:
             raise
         owner = cls(service, loop, thread)
         if stop_at_exit:
-            atexit.register(owner.stop)
+            _stop_at_exit(owner)
         return owner
 
     def run(self, make: Callable[[], Coroutine[Any, Any, Any]], timeout_s: float | None = None
@@ -106,11 +108,32 @@ class ServiceThread:
             if self.loop.is_running():
                 self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout_s)
-            atexit.unregister(self.stop)
 
     @property
     def running(self) -> bool:
         return not self._stopped and self._thread.is_alive()
+
+
+def _stop_at_exit(owner: ServiceThread) -> None:
+    """Stop ``owner`` when the interpreter exits, while the thread pools that ``close()`` hands
+    its blocking steps to (``asyncio.to_thread``) still take work: those refuse new work once
+    the interpreter's own exit handlers ran, so a plain ``atexit`` hook would be too late and
+    leave the engine open and the ledger reservation held. The hook holds the owner weakly."""
+    ref = weakref.ref(owner)
+
+    def stop() -> None:
+        alive = ref()
+        if alive is not None:
+            alive.stop()
+
+    register = getattr(threading, "_register_atexit", None)  # runs before those pools stop
+    if register is None:
+        atexit.register(stop)
+        return
+    try:
+        register(stop)
+    except RuntimeError:  # the interpreter is already shutting down
+        atexit.register(stop)
 
 
 async def _start_service(config: ServiceConfig, buffers: Any, kwargs: Mapping[str, Any],

@@ -39,7 +39,7 @@ class ArenaViews:
     """The allocation functions SGLang's host pools call while the strategy builds them."""
 
     def __init__(self, *, kvcache: Any, mem_layout: str, agree_pages: Callable[[int], int],
-                 service_options: dict[str, Any]) -> None:
+                 all_started: Callable[[bool], bool], service_options: dict[str, Any]) -> None:
         self.kvcache = kvcache
         self.num_layers = int(kvcache.layer_num)
         self.page_tokens = int(kvcache.page_size)
@@ -50,6 +50,7 @@ class ArenaViews:
         first_index = kvcache.index_k_with_scale_buffer[0]
         self.index_page_bytes = first_index.shape[-1] * first_index.element_size()
         self._agree_pages = agree_pages
+        self._all_started = all_started
         self._service_options = service_options
         self.owner: ServiceThread | None = None
         self.whole_pool: Any = None  #: the one HostPages handle holding every host page
@@ -154,12 +155,26 @@ class ArenaViews:
         log.info("dsa_async: starting the offload service for SGLang: %d host pages of %d "
                  "layers (KV %d B + indexer %d B per token per layer), %s backend", pages,
                  self.num_layers, self.kv_token_bytes, self.index_page_bytes // ps, backend)
-        self.owner = ServiceThread.start(config, buffers, name="dsa-async-sglang",
-                                         **self._service_options)
-        service = self.owner.service
-        # SGLang's allocator owns every host page: the service holds them all for it, so a
-        # copy never waits for or is refused host pages (the same on every rank).
-        self.whole_pool = self.owner.run(lambda: _take_all(service))
+        failure: BaseException | None = None
+        try:
+            self.owner = ServiceThread.start(config, buffers, name="dsa-async-sglang",
+                                             **self._service_options)
+            service = self.owner.service
+            # SGLang's allocator owns every host page: the service holds them all for it, so a
+            # copy never waits for or is refused host pages (the same on every rank).
+            self.whole_pool = self.owner.run(lambda: _take_all(service))
+        except BaseException as exc:  # noqa: BLE001 - every rank hears of it first
+            failure = exc
+        # Every TP rank starts, or none does: a rank left running would wait for the others
+        # in SGLang's first all-reduce (a host budget, for one, is checked per rank).
+        if not self._all_started(failure is None):
+            self.stop()
+            if failure is not None:
+                raise failure
+            raise UnsupportedSettingError(
+                "dsa_async SGLang plug-in: another TP rank could not start its offload service "
+                "(its log says why); this rank stopped its own so that no rank runs alone")
+        assert failure is None
 
     def stop(self) -> None:
         """Drain and close the service (blocks); the arenas go with the last view of them."""

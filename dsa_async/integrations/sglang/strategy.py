@@ -80,6 +80,7 @@ class DsaAsyncStrategy(_DsaStrategy):
                         host_allocator=get_allocator_type())
         views = ArenaViews(kvcache=kvcache, mem_layout=memory.hicache_mem_layout,
                            agree_pages=lambda pages: _agree_over_tp(pages, params),
+                           all_started=lambda ok: _all_over_tp(ok, params),
                            service_options=dict(SERVICE_OPTIONS))
         try:
             with views.installed(), host_memory_budget_scope(_CHECKED_BY_THE_SERVICE):
@@ -144,20 +145,37 @@ def _indices_where_they_are(host_indices: torch.Tensor, device_indices: torch.Te
     return host_indices, device_indices
 
 
-def _agree_over_tp(pages: int, params: Any) -> int:
-    """The host page count every TP rank uses: all must hold the same, or the ranks would
-    accept different requests. Fails loudly (naming both counts) when they differ."""
+def _tp_group(params: Any) -> Any:
+    """The TP group when there are several ranks; else ``None``."""
     group = getattr(params, "tp_cache_group", None)
     if group is None or not torch.distributed.is_available() or not (
             torch.distributed.is_initialized()):
-        return pages
-    if torch.distributed.get_world_size(group=group) == 1:
+        return None
+    return group if torch.distributed.get_world_size(group=group) > 1 else None
+
+
+def _agree_over_tp(pages: int, params: Any) -> int:
+    """The host page count every TP rank uses: all must hold the same, or the ranks would
+    accept different requests. Fails loudly (naming both counts) when they differ."""
+    group = _tp_group(params)
+    if group is None:
         return pages
     counts = torch.tensor([pages, -pages], dtype=torch.int64)
     torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.MIN, group=group)
     low, high = int(counts[0]), -int(counts[1])
     if low != high:
         raise UnsupportedSettingError(
-            f"dsa_async SGLang plug-in: the TP ranks' host pools differ ({low} to {high} "
-            f"pages); give every rank the same --hicache-size / --hicache-ratio and device pool")
+            f"dsa_async SGLang plug-in: the TP ranks' host pools differ (SGLang sized their "
+            f"KV host pools at {low - 1} to {high - 1} pages); give every rank the same "
+            f"--hicache-size / --hicache-ratio and device pool")
     return low
+
+
+def _all_over_tp(ok: bool, params: Any) -> bool:
+    """Whether every TP rank says ``ok`` (this one's answer when it is alone)."""
+    group = _tp_group(params)
+    if group is None:
+        return ok
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group)
+    return bool(flag.item())

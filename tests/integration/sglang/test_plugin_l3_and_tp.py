@@ -408,7 +408,20 @@ def test_tp_ranks_with_different_host_pools_both_fail_at_start(two_ranks):
         assert r["raised"], f"rank {rank} started with host pools that differ across ranks: {r}"
         assert r["error_type"] == "UnsupportedSettingError", r
         assert r["error_module"].startswith("dsa_async"), r
-        assert "the TP ranks' host pools differ (34 to 50 pages)" in r["error"], r["error"]
+        assert "SGLang sized their KV host pools at 33 to 49 pages" in r["error"], r["error"]
         # Nothing left running: no service loop thread, no reservation in the ledger.
         assert r["service_threads"] == [] and r["ledger_entries"] == [], r
     assert results[0]["error"] == results[1]["error"]
+
+
+def test_a_rank_whose_budget_refuses_stops_every_rank(two_ranks):
+    # The host budget is checked per rank (co-located ranks share the machine-wide ledger): a
+    # rank that cannot start must not leave the other running alone, waiting for it in
+    # SGLang's first all-reduce. Rank 1 is given a reserve no machine has.
+    results = _results(two_ranks.ask("one_rank_refused", refused_rank=1), two_ranks)
+    assert all(r["raised"] for r in results), results
+    assert results[1]["error_type"] == "HostBudgetExceeded", results[1]
+    assert results[0]["error_type"] == "UnsupportedSettingError", results[0]
+    assert "another TP rank could not start its offload service" in results[0]["error"]
+    for r in results:
+        assert r["service_threads"] == [] and r["ledger_entries"] == [], r

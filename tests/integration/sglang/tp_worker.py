@@ -243,6 +243,22 @@ class Worker:
         return outcome
 
 
+    def one_rank_refused(self, refused_rank: int) -> dict[str, Any]:
+        """Build where ``refused_rank``'s host budget cannot hold the pool (a reserve larger
+        than any machine); report how the start ended on this rank."""
+        from dsa_async.integrations.sglang import strategy
+
+        options = {"config": {"reserve_bytes": 1 << 60}} if self.rank == refused_rank else {}
+        saved = dict(strategy.SERVICE_OPTIONS)
+        strategy.SERVICE_OPTIONS.clear()
+        strategy.SERVICE_OPTIONS.update(options)
+        try:
+            return self.mismatch(ratios=[2.0, 2.0])
+        finally:
+            strategy.SERVICE_OPTIONS.clear()
+            strategy.SERVICE_OPTIONS.update(saved)
+
+
 def main() -> None:
     rank, world_size = int(sys.argv[1]), int(sys.argv[2])
     store_file, workdir = sys.argv[3], Path(sys.argv[4])
