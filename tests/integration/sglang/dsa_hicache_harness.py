@@ -161,6 +161,9 @@ class DsaHiCacheSettings:
     #: the GPU that SGLang's DSA argument resolution is told about (see cpu_shims)
     gpu_capability: tuple[int, int] = (9, 0)
     max_running_requests: int = 8
+    #: where SGLang's device pools live: "cpu" here; "cuda" on a machine with a GPU (then the
+    #: CPU-only stand-ins for host allocation and the GPU capability are not used)
+    device: str = "cpu"
     #: environment variables set for the build and the cache's lifetime (e.g. DSA_ASYNC_SGLANG)
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
     #: further ``config.json`` fields (see ``deepseek_v32_config``)
@@ -320,7 +323,7 @@ class DsaHiCache:
         )
         server_args_fields = dict(
             model_path=str(model_dir),
-            device="cpu",
+            device=s.device,
             page_size=s.page_size_tokens,
             kv_cache_dtype=s.kv_cache_dtype,
             max_running_requests=s.max_running_requests,
@@ -334,7 +337,9 @@ class DsaHiCache:
             hicache_storage_backend=s.storage_backend,
         )
         server_args_fields.update(s.extra_server_args)
-        with gpu_capability_for_arg_resolution(s.gpu_capability):
+        on_cpu = s.device == "cpu"
+        with (gpu_capability_for_arg_resolution(s.gpu_capability) if on_cpu
+              else contextlib.nullcontext()):
             self.server_args = ServerArgs(**server_args_fields)
             # The launcher's placement: the rank in the default group of a multi-rank build.
             world_rank = dist.get_rank() if self._groups is not None else 0
@@ -347,7 +352,7 @@ class DsaHiCache:
 
         self.forward_stream = get_device_module().Stream()
         self.worker = SchedulerWorkerStandIn(self.forward_stream)
-        with host_pools_without_page_locking():
+        with host_pools_without_page_locking() if on_cpu else contextlib.nullcontext():
             self.tree_cache = self._build_tree_cache()
         self._exit.callback(self._release)
 
@@ -380,7 +385,7 @@ class DsaHiCache:
             kv_lora_rank=mc.kv_lora_rank,
             qk_rope_head_dim=mc.qk_rope_head_dim,
             layer_num=mc.num_hidden_layers,
-            device="cpu",
+            device=s.device,
             kv_cache_dim=calculate_mla_kv_cache_dim(
                 model_config=mc, kv_cache_dtype=self.kv_cache_dtype
             ),
@@ -398,14 +403,14 @@ class DsaHiCache:
             s.device_pool_tokens,
             page_size=s.page_size_tokens,
             dtype=self.kv_cache_dtype,
-            device="cpu",
+            device=s.device,
             kvcache=kv_pool,
             need_sort=False,
         )
         req_to_token_pool = ReqToTokenPool(
             size=s.max_running_requests,
             max_context_len=mc.context_len,
-            device="cpu",
+            device=s.device,
             enable_memory_saver=False,
         )
         return kv_pool, allocator, req_to_token_pool
