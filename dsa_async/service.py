@@ -498,10 +498,10 @@ class OffloadService:
             raise IndexValueError("pass both sides as Pages, or neither")
         host_pages, padding = tokens_to_page_seq(
             host_tokens, "host_tokens", self._host_token_bound, self._page_size_tokens)
-        count = (host_tokens.pages.numel() if isinstance(host_tokens.pages, torch.Tensor)
-                 else len(host_tokens.pages)) if device_is_pages else (
-            _token_count(host_tokens) // self._page_size_tokens)
-        if padding or len(host_pages) != on_device.num_pages or count != len(host_pages):
+        # As many given as kept: no page was given twice (that one would pair with nothing).
+        given = (_token_count(host_tokens.pages) if device_is_pages
+                 else _token_count(host_tokens) // self._page_size_tokens)
+        if padding or len(host_pages) != on_device.num_pages or given != len(host_pages):
             raise IndexValueError(
                 f"host_tokens must be {on_device.num_pages} distinct whole pages (every token of "
                 f"each, in order) to pair page by page with device_tokens on "
