@@ -9,6 +9,7 @@ import threading
 import pytest
 import torch
 
+from dsa_async.errors import TransferFailedError
 from dsa_async.integrations.sglang import strategy
 from dsa_async.kinds import Direction
 from dsa_async.service import ServiceState
@@ -164,3 +165,22 @@ def test_releasing_sglangs_host_pools_stops_the_service(dsa_hicache):
     cache.close()
     assert service.state is ServiceState.CLOSED
     assert "dsa-async-sglang" not in {t.name for t in threading.enumerate()}
+
+
+def test_a_failed_copy_is_fatal_and_loud_in_sglangs_own_ack_check(dsa_hicache, monkeypatch,
+                                                                  caplog):
+    # SGLang has no per-request abort on this path and all-reduces acks over the TP ranks: a
+    # failed backup must stop the scheduler step that looks at it, not pass as done.
+    def failing_backups(batch, first_layer: int) -> None:  # noqa: ARG001 - fault hook
+        if batch.direction is Direction.D2H:
+            raise OSError("injected device fault")
+
+    monkeypatch.setitem(strategy.SERVICE_OPTIONS, "fault_hook", failing_backups)
+    cache = dsa_hicache(num_layers=2, mem_layout="layer_first", io_backend="direct",
+                        env=OPT_IN)
+    tokens = cache.tokens(start=900, num_pages=1)
+    cache.insert(tokens, seed=2)
+    with pytest.raises(TransferFailedError, match="fatal") as failed:
+        cache.pump()
+    assert "injected device fault" in repr(failed.value.__cause__)
+    assert any(r.levelname == "CRITICAL" and "fatal" in r.getMessage() for r in caplog.records)
