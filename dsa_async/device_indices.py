@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -30,6 +32,10 @@ import torch
 from .aligned_tokens import aligned_pages, distinct
 from .errors import IndexTypeError, IndexValueError
 from .page_indices import Pages
+from .page_seq import PageSeq, tokens_to_page_seq
+
+if TYPE_CHECKING:
+    from .transfer.base import TransferEngine
 
 _INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
 
@@ -111,3 +117,59 @@ def device_form(tensor: torch.Tensor, value: object, name: str,
             f"{page_size_tokens}-token pages; on the device, give every token of each page "
             f"(or Pages(page_indices)); partial pages need a CPU index tensor, which is padded")
     return IndexForm.TOKENS, n // page_size_tokens
+
+
+@dataclass(frozen=True)
+class OnDevice:
+    """Device indices the engine reads later, as far as their shape tells."""
+
+    tensor: torch.Tensor
+    form: IndexForm
+    num_pages: int
+
+
+def deferred_form(device_tokens: object, engine: TransferEngine,
+                  page_size_tokens: int) -> OnDevice | None:
+    """What the shape of ``device_tokens`` says when ``engine`` reads them later (an index
+    tensor, or ``Pages`` of one, that the engine defers); ``None`` for indices read at submit.
+    A tensor off the CPU that the engine does not defer is refused (``IndexTypeError`` naming
+    its device). Any thread; reads no values."""
+    tensor = index_tensor(device_tokens)
+    if tensor is None:
+        return None
+    if not engine.defers_indices(tensor):
+        if tensor.is_cpu:
+            return None  # read at submit
+        raise IndexTypeError(
+            f"device_tokens is a tensor on device {tensor.device}; the "
+            f"{engine.backend.value} backend reads index tensors on the CPU: pass "
+            f"device_tokens.cpu() (the cuda backend also takes index tensors on its device, "
+            f"read after the request's producers)")
+    form, num_pages = device_form(tensor, device_tokens, "device_tokens", page_size_tokens)
+    return OnDevice(tensor, form, num_pages)
+
+
+def paired_host_pages(on_device: OnDevice, host_tokens: object, host_token_bound: int,
+                      page_size_tokens: int) -> PageSeq:
+    """Host pages that pair in order with device pages the engine reads later: whole pages
+    (every token of each, or ``Pages`` when the device side is ``Pages``), as many, each once.
+    Raises ``IndexValueError`` otherwise. Any thread."""
+    device_is_pages = on_device.form is IndexForm.PAGES
+    if isinstance(host_tokens, Pages) is not device_is_pages:
+        raise IndexValueError("pass both sides as Pages, or neither")
+    host_pages, padding = tokens_to_page_seq(host_tokens, "host_tokens", host_token_bound,
+                                             page_size_tokens)
+    # As many given as kept: no page was given twice (that one would pair with nothing).
+    given = (_count(host_tokens.pages) if device_is_pages
+             else _count(host_tokens) // page_size_tokens)
+    if padding or len(host_pages) != on_device.num_pages or given != len(host_pages):
+        raise IndexValueError(
+            f"host_tokens must be {on_device.num_pages} distinct whole pages (every token of "
+            f"each, in order) to pair page by page with device_tokens on "
+            f"{on_device.tensor.device}; they cover {len(host_pages)} pages with {padding} "
+            f"padding tokens")
+    return host_pages
+
+
+def _count(indices: object) -> int:
+    return indices.numel() if isinstance(indices, torch.Tensor) else len(indices)

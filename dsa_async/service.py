@@ -33,7 +33,7 @@ from prometheus_client import CollectorRegistry
 from . import __version__
 from .budget import probe_host_budget
 from .config import ServiceConfig
-from .device_indices import DeviceIndices, IndexForm, device_form, index_tensor
+from .device_indices import DeviceIndices, OnDevice, deferred_form, paired_host_pages
 from .errors import (ConfigError, HostPoolExhausted, IndexTypeError, IndexValueError,
                      QueueFullError, ServiceClosedError, UnknownHostPagesError)
 from .host_pool import HostPages, HostPool
@@ -41,7 +41,6 @@ from .kinds import CANCELLED, D2H, DONE, FAILED, H2D, Backend, Direction
 from .ledger import HostLedger
 from .loop_lag import EventLoopLagMonitor
 from .metrics import BudgetFigures, ServiceMetrics
-from .page_indices import Pages
 from .page_seq import PageSeq, paired_page_seqs, tokens_to_page_seq
 from .plan import reserve_host_pools
 from .producers import NO_PRODUCERS, parse_after
@@ -77,19 +76,6 @@ class ServiceStatistics:
     ledger_bytes: int
     queued_requests: int
     inflight_requests: int
-
-
-@dataclass(frozen=True)
-class _OnDevice:
-    """A device index tensor off the CPU, as far as its shape tells (device_indices.py)."""
-
-    tensor: torch.Tensor
-    form: IndexForm
-    num_pages: int
-
-
-def _token_count(tokens) -> int:
-    return tokens.numel() if isinstance(tokens, torch.Tensor) else len(tokens)
 
 
 _EMPTY = range(0)
@@ -454,7 +440,7 @@ class OffloadService:
         return self._prepare(scheduler, D2H, device_pages, host_pages, owns,
                              after, priority, NO_DEADLINE, padding, captured, on_loop, on_device)
 
-    def _device_side(self, device_tokens, on_device: _OnDevice | None
+    def _device_side(self, device_tokens, on_device: OnDevice | None
                      ) -> tuple[PageSeq, int, int]:
         """Device pages, padding tokens and page count of ``device_tokens`` (no pages yet for
         indices the engine reads later). Any thread."""
@@ -464,49 +450,22 @@ class OffloadService:
             device_tokens, "device_tokens", self._device_token_bound, self._page_size_tokens)
         return device_pages, padding, len(device_pages)
 
-    def _on_device(self, device_tokens) -> _OnDevice | None:
-        """For a device index tensor that is not on the CPU (or ``Pages`` of one): what its
-        shape says, to be read by the engine after the request's producers; ``None`` for
-        anything read here. Refused (``IndexTypeError``) by an engine that reads only CPU
-        index tensors. Any thread; reads no values."""
+    def _on_device(self, device_tokens) -> OnDevice | None:
+        """For device indices the engine reads later: what their shape says (device_indices.py);
+        ``None`` for indices read here. Any thread; reads no values."""
         if (type(device_tokens) is torch.Tensor and not self._engine_defers_indices
                 and device_tokens.is_cpu):
             return None  # the common case, read here: no further look
-        tensor = index_tensor(device_tokens)
-        if tensor is None:
-            return None
         engine = self._engine
         if engine is None:  # a thread that raced close()
             raise ServiceClosedError("the service is closing or closed")
-        if not engine.defers_indices(tensor):
-            if tensor.is_cpu:
-                return None  # read here
-            raise IndexTypeError(
-                f"device_tokens is a tensor on device {tensor.device}; the {self.backend.value} "
-                f"backend reads index tensors on the CPU: pass device_tokens.cpu() (the cuda "
-                f"backend also takes index tensors on its device, read after the request's "
-                f"producers)")
-        form, num_pages = device_form(tensor, device_tokens, "device_tokens",
-                                      self._page_size_tokens)
-        return _OnDevice(tensor, form, num_pages)
+        return deferred_form(device_tokens, engine, self._page_size_tokens)
 
-    def _host_pages_for(self, on_device: _OnDevice, host_tokens, on_loop: bool) -> PageSeq:
-        """Host pages paired in order with device pages the engine reads later: whole pages
-        (every token of each, or ``Pages`` when the device side is ``Pages``), as many."""
-        device_is_pages = on_device.form is IndexForm.PAGES
-        if isinstance(host_tokens, Pages) is not device_is_pages:
-            raise IndexValueError("pass both sides as Pages, or neither")
-        host_pages, padding = tokens_to_page_seq(
-            host_tokens, "host_tokens", self._host_token_bound, self._page_size_tokens)
-        # As many given as kept: no page was given twice (that one would pair with nothing).
-        given = (_token_count(host_tokens.pages) if device_is_pages
-                 else _token_count(host_tokens) // self._page_size_tokens)
-        if padding or len(host_pages) != on_device.num_pages or given != len(host_pages):
-            raise IndexValueError(
-                f"host_tokens must be {on_device.num_pages} distinct whole pages (every token of "
-                f"each, in order) to pair page by page with device_tokens on "
-                f"{on_device.tensor.device}; they cover {len(host_pages)} pages with {padding} "
-                f"padding tokens")
+    def _host_pages_for(self, on_device: OnDevice, host_tokens, on_loop: bool) -> PageSeq:
+        """Host pages paired in order with device pages the engine reads later; on the loop
+        also checked to lie in live allocations. Any thread."""
+        host_pages = paired_host_pages(on_device, host_tokens, self._host_token_bound,
+                                       self._page_size_tokens)
         if on_loop:
             self._pool.check_allocated(host_pages, name="host_tokens")
         return host_pages
@@ -573,7 +532,7 @@ class OffloadService:
     def _prepare(self, scheduler: Scheduler, direction: Direction, device_pages: PageSeq,
                  host_pages: PageSeq | None, owns_host: bool, after: object, priority: int,
                  deadline: float, padding: int, captured: object, on_loop: bool,
-                 on_device: _OnDevice | None = None) -> tuple[Transfer, tuple[object, ...]]:
+                 on_device: OnDevice | None = None) -> tuple[Transfer, tuple[object, ...]]:
         """The first half of a submission, on the submitting thread (the loop's or another):
         check the priority and the queue bound, parse ``after=``, capture the default
         producer, and build the request and its ``Transfer``; for device indices the engine

@@ -16,6 +16,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable, Mapping
 
+from ..errors import IndexTypeError
 from ..kinds import Backend
 from .batch import BatchHandle, CopyBatch
 from .buffers import PoolBinding
@@ -82,7 +83,8 @@ class TransferEngine(abc.ABC):
         """Queue a copy of ``tensor`` (a device index tensor this engine defers) into host
         memory after ``producers``; return a ``fetch()`` that blocks until it landed and returns
         the values (a 1-D CPU array). On the submitting thread; never blocks."""
-        raise NotImplementedError(f"the {self.backend.value} engine reads index tensors at submit")
+        raise IndexTypeError(f"the {self.backend.value} engine reads every index tensor at "
+                             f"submit; it stages none (defers_indices is false)")
 
     def capture_producer(self) -> object | None:
         """What every copy waits for besides ``after=``: the submitting thread's work so far.

@@ -9,7 +9,6 @@ producers), and the getters' per-layer waits are GPU-side.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -28,7 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration" / "sg
 
 with warnings.catch_warnings():  # importing SGLang warns about its platform; not the cache path
     warnings.simplefilter("ignore")
-    from dsa_hicache_harness import DsaHiCacheSettings, build_dsa_hicache  # noqa: E402
+    from dsa_hicache_harness import (  # noqa: E402
+        DsaHiCacheSettings,
+        build_dsa_hicache,
+        load_plugins_opted_in,
+    )
 
 from dsa_async.integrations.sglang.engine import ServiceTransferEngine  # noqa: E402
 from dsa_async.kinds import Backend  # noqa: E402
@@ -38,17 +41,7 @@ OPT_IN = {"DSA_ASYNC_SGLANG": "1"}
 
 @pytest.fixture(scope="module", autouse=True)
 def plugins_loaded_opted_in():
-    from sglang.srt.plugins import load_plugins
-
-    had = os.environ.get("DSA_ASYNC_SGLANG")
-    os.environ["DSA_ASYNC_SGLANG"] = "1"
-    try:
-        load_plugins()
-    finally:
-        if had is None:
-            del os.environ["DSA_ASYNC_SGLANG"]
-        else:
-            os.environ["DSA_ASYNC_SGLANG"] = had
+    load_plugins_opted_in()
 
 
 @pytest.mark.parametrize("write_policy", ["write_through", "write_back"])

@@ -41,7 +41,12 @@ _IMPORT_TIME_WARNINGS = (
 with warnings.catch_warnings():
     for _category, _message in _IMPORT_TIME_WARNINGS:
         warnings.filterwarnings("ignore", message=_message, category=_category)
-    from dsa_hicache_harness import DsaHiCache, DsaHiCacheSettings, build_dsa_hicache  # noqa: E402
+    from dsa_hicache_harness import (  # noqa: E402
+        DsaHiCache,
+        DsaHiCacheSettings,
+        build_dsa_hicache,
+        load_plugins_opted_in,
+    )
 
 
 @pytest.fixture
@@ -73,17 +78,5 @@ def plugins_loaded_as_an_operator_launches() -> Iterator[None]:
     launches with ``DSA_ASYNC_SGLANG=1``. So it is loaded here once, opted in, and the variable
     is removed again: each test then opts in or not for its own build (``env=``), which the
     strategy reads when SGLang builds the cache."""
-    import os
-
-    from sglang.srt.plugins import load_plugins
-
-    had = os.environ.get("DSA_ASYNC_SGLANG")
-    os.environ["DSA_ASYNC_SGLANG"] = "1"
-    try:
-        load_plugins()
-    finally:
-        if had is None:
-            del os.environ["DSA_ASYNC_SGLANG"]
-        else:
-            os.environ["DSA_ASYNC_SGLANG"] = had
+    load_plugins_opted_in()
     yield

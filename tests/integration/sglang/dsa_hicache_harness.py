@@ -671,6 +671,21 @@ class DsaHiCache:
         self.req_to_token_pool.free(load.req)
 
 
+def load_plugins_opted_in() -> None:
+    """Load SGLang's plug-ins once for this process as an operator who wants this one launches
+    (``DSA_ASYNC_SGLANG=1``), then restore the variable: each build opts in or not through its
+    own ``env``, which the strategy reads when SGLang builds the cache."""
+    had = os.environ.get("DSA_ASYNC_SGLANG")
+    os.environ["DSA_ASYNC_SGLANG"] = "1"
+    try:
+        load_plugins()
+    finally:
+        if had is None:
+            del os.environ["DSA_ASYNC_SGLANG"]
+        else:
+            os.environ["DSA_ASYNC_SGLANG"] = had
+
+
 def build_dsa_hicache(settings: DsaHiCacheSettings, workdir: Path,
                       groups: Optional[CacheGroups] = None) -> DsaHiCache:
     return DsaHiCache(settings, workdir, groups)

@@ -62,20 +62,10 @@ from dsa_hicache_harness import (  # noqa: E402
     CacheGroups,
     DsaHiCacheSettings,
     build_dsa_hicache,
+    load_plugins_opted_in,
 )
-from sglang.srt.plugins import load_plugins  # noqa: E402
 
 OPT_IN = {"DSA_ASYNC_SGLANG": "1"}
-
-
-def _load_plugins_opted_in() -> None:
-    """As conftest does for the test process: load once with the opt-in, then remove it so each
-    build opts in through its own ``env``."""
-    os.environ["DSA_ASYNC_SGLANG"] = "1"
-    try:
-        load_plugins()
-    finally:
-        del os.environ["DSA_ASYNC_SGLANG"]
 
 
 def _groups(rank: int, world_size: int) -> CacheGroups:
@@ -262,7 +252,7 @@ class Worker:
 def main() -> None:
     rank, world_size = int(sys.argv[1]), int(sys.argv[2])
     store_file, workdir = sys.argv[3], Path(sys.argv[4])
-    _load_plugins_opted_in()
+    load_plugins_opted_in()
     store = dist.FileStore(store_file, world_size)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     worker = Worker(rank, world_size, workdir)
