@@ -361,11 +361,14 @@ class DsaHiCache:
         controller.load_fence_stream = self.forward_stream
         controller.write_fence_stream = self.forward_stream
 
+    #: whether the model is a DSA one (the tree-cache context's ``is_dsa``)
+    IS_DSA = True
+
     def _build_device_pools(self):
-        """The pools ``KVCacheConfigurator`` builds for a DSA model (``_build_dsa_kv_pool``)."""
+        """The KV pool (:meth:`_build_kv_pool`), the paged allocator and the request-to-token
+        pool, as ``KVCacheConfigurator`` builds them."""
         s = self.settings
         mc = self.model_config
-        hf_config = mc.hf_config
         _, self.kv_cache_dtype = configure_kv_cache_dtype(
             server_args_kv_cache_dtype=get_model().kv_cache_dtype,
             model=None,
@@ -374,6 +377,28 @@ class DsaHiCache:
             is_dflash=False,
             speculative_draft_attention_backend=None,
         )
+        kv_pool = self._build_kv_pool()
+        allocator = PagedTokenToKVPoolAllocator(
+            s.device_pool_tokens,
+            page_size=s.page_size_tokens,
+            dtype=self.kv_cache_dtype,
+            device=s.device,
+            kvcache=kv_pool,
+            need_sort=False,
+        )
+        req_to_token_pool = ReqToTokenPool(
+            size=s.max_running_requests,
+            max_context_len=mc.context_len,
+            device=s.device,
+            enable_memory_saver=False,
+        )
+        return kv_pool, allocator, req_to_token_pool
+
+    def _build_kv_pool(self):
+        """The device pool for a DSA model (``kv_cache_configurator`` ``_build_dsa_kv_pool``)."""
+        s = self.settings
+        mc = self.model_config
+        hf_config = mc.hf_config
         layers = range(0, mc.num_hidden_layers)
         pool_kwargs = {}
         if _should_elide_dsa_index_k(is_draft_worker=False):
@@ -399,21 +424,7 @@ class DsaHiCache:
             max_running_requests=s.max_running_requests,
             **pool_kwargs,
         )
-        allocator = PagedTokenToKVPoolAllocator(
-            s.device_pool_tokens,
-            page_size=s.page_size_tokens,
-            dtype=self.kv_cache_dtype,
-            device=s.device,
-            kvcache=kv_pool,
-            need_sort=False,
-        )
-        req_to_token_pool = ReqToTokenPool(
-            size=s.max_running_requests,
-            max_context_len=mc.context_len,
-            device=s.device,
-            enable_memory_saver=False,
-        )
-        return kv_pool, allocator, req_to_token_pool
+        return kv_pool
 
     def _build_tree_cache(self):
         self.cache_init_params = CacheInitParams(
@@ -438,7 +449,7 @@ class DsaHiCache:
             tp_size=self.groups.tp_size,
             tp_rank=self.groups.tp_rank,
             tp_group=self.groups.tp,
-            is_dsa=True,
+            is_dsa=self.IS_DSA,
         )
         return create_tree_cache(context)
 
