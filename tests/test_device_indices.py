@@ -56,6 +56,15 @@ def _backed_up_as(service, result, expected: dict) -> bool:
                for name, arena in service.host_pool.arenas.items() for layer in range(LAYERS))
 
 
+async def _staged_page(service, buffers, value: int):
+    """One host page holding device page 0 filled with ``value``, and those bytes (what a load
+    from it brings)."""
+    staged = service.allocate_host_pages(1)
+    _fill(buffers, 0, value)
+    await service.evict(range(0, PAGE), host_tokens=staged.token_indices())
+    return staged, page_bytes(buffers, [0])
+
+
 def _cause_chain(error):
     while error is not None:
         yield error
@@ -215,9 +224,7 @@ async def test_a_load_into_a_page_waits_for_an_earlier_backup_of_unknown_pages(t
     service, buffers = _service(tmp_path)
     async with service, asyncio.timeout(BOUND_S):
         original = page_bytes(buffers, [5])
-        staged = service.allocate_host_pages(1)
-        _fill(buffers, 0, 77)
-        await service.evict(range(0, PAGE), host_tokens=staged.token_indices())
+        staged, _ = await _staged_page(service, buffers, 77)
         gate = threading.Event()
         backup = service.evict(tokens([5]), after=gate)  # reads page 5 once the gate opens
         load = service.prefetch(staged, range(5 * PAGE, 6 * PAGE))  # overwrites page 5
@@ -230,10 +237,7 @@ async def test_a_load_into_a_page_waits_for_an_earlier_backup_of_unknown_pages(t
 async def test_a_backup_of_a_page_waits_for_an_earlier_load_into_unknown_pages(tmp_path):
     service, buffers = _service(tmp_path)
     async with service, asyncio.timeout(BOUND_S):
-        staged = service.allocate_host_pages(1)
-        _fill(buffers, 0, 91)
-        await service.evict(range(0, PAGE), host_tokens=staged.token_indices())
-        loaded = page_bytes(buffers, [0])
+        staged, loaded = await _staged_page(service, buffers, 91)
         gate = threading.Event()
         load = service.prefetch(staged, tokens([9]), after=gate)
         backup = service.evict(range(9 * PAGE, 10 * PAGE))  # must see the loaded bytes
@@ -246,10 +250,7 @@ async def test_a_backup_of_a_page_waits_for_an_earlier_load_into_unknown_pages(t
 async def test_a_backup_of_unknown_pages_waits_for_an_earlier_load_into_a_page(tmp_path):
     service, buffers = _service(tmp_path)
     async with service, asyncio.timeout(BOUND_S):
-        staged = service.allocate_host_pages(1)
-        _fill(buffers, 0, 33)
-        await service.evict(range(0, PAGE), host_tokens=staged.token_indices())
-        loaded = page_bytes(buffers, [0])
+        staged, loaded = await _staged_page(service, buffers, 33)
         gate = threading.Event()
         load = service.prefetch(staged, range(4 * PAGE, 5 * PAGE), after=gate)
         backup = service.evict(tokens([4]))  # unknown pages: follows every pending load
