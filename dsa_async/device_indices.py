@@ -24,18 +24,16 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from .aligned_tokens import aligned_pages, distinct
 from .errors import IndexTypeError, IndexValueError
+from .kinds import Backend
 from .page_indices import Pages
 from .page_seq import PageSeq, tokens_to_page_seq
-
-if TYPE_CHECKING:
-    from .transfer.base import TransferEngine
 
 _INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
 
@@ -128,7 +126,15 @@ class OnDevice:
     num_pages: int
 
 
-def deferred_form(device_tokens: object, engine: TransferEngine,
+class IndexReader(Protocol):
+    """What :func:`deferred_form` asks of an engine (``transfer.base.TransferEngine``)."""
+
+    backend: Backend
+
+    def defers_indices(self, tensor: torch.Tensor) -> bool: ...
+
+
+def deferred_form(device_tokens: object, engine: IndexReader,
                   page_size_tokens: int) -> OnDevice | None:
     """What the shape of ``device_tokens`` says when ``engine`` reads them later (an index
     tensor, or ``Pages`` of one, that the engine defers); ``None`` for indices read at submit.

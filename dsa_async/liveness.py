@@ -15,17 +15,25 @@ call :func:`check_liveness` after every step; it reads state only (loop thread).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 from .errors import LivenessViolation
-from .kinds import D2H, H2D
+from .kinds import D2H, H2D, Direction
 from .request import QUEUED, SUBMITTED, Request
 
-if TYPE_CHECKING:
-    from .scheduler import Scheduler
+
+class Queues(Protocol):
+    """What the rule reads of the scheduler (scheduler.py), and nothing else."""
+
+    flush_pending: bool
+    queues: Mapping[Direction, Sequence[Request]]
+    inflight_bytes: Mapping[Direction, int]
+
+    def waits_for_host_pages(self, request: Request) -> bool: ...
 
 
-def check_liveness(scheduler: Scheduler) -> None:
+def check_liveness(scheduler: Queues) -> None:
     """Raise ``LivenessViolation`` naming the first queued request that nothing holds.
 
     Meaningful once the loop has run its ready callbacks: while a pass over the queues is
@@ -46,7 +54,7 @@ def check_liveness(scheduler: Scheduler) -> None:
                     f"{scheduler.inflight_bytes[direction]}")
 
 
-def _why_held(scheduler: Scheduler, request: Request, held: dict[int, bool]) -> str | None:
+def _why_held(scheduler: Queues, request: Request, held: dict[int, bool]) -> str | None:
     known = held.get(request.seq)
     if known is not None:
         return "a held dependency" if known else None

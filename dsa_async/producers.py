@@ -29,6 +29,8 @@ import asyncio
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .handle import Transfer
+
 if TYPE_CHECKING:
     from .request import Request
     from .transfer.base import TransferEngine
@@ -62,8 +64,6 @@ def parse_after(after: object, *, engine: TransferEngine, scheduler: object,
     engine_items: list[object] = []
     deps: list[Request] = []
     loop_items: list[object] = []
-    from .request import Transfer  # the request module imports this one's users
-
     for item in items:
         if isinstance(item, (list, tuple)):
             raise TypeError(

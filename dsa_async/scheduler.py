@@ -28,7 +28,8 @@ from .liveness import check_liveness
 from .loop_producers import LoopProducerWatches
 from .metrics import ServiceMetrics
 from .page_seq import concat_pages
-from .request import FINISHED, QUEUED, SUBMITTED, Request, TransferResult, report_unobserved
+from .request import FINISHED, QUEUED, SUBMITTED, Request, report_unobserved
+from .result import TransferResult
 from .transfer.base import TransferEngine
 from .transfer.batch import BatchHandle, CopyBatch, Dependency
 
@@ -497,6 +498,12 @@ class Scheduler:
 
         if not handle.on_layer_ready(layer, resolve):
             resolve()
+
+    @property
+    def waits_on_device(self) -> bool:
+        """Whether a layer wait ends on the device (CUDA: the consumer's stream waits), not by
+        blocking the waiting thread until the copy is done (CPU)."""
+        return self.engine.waits_on_device
 
     def engine_wait_layer(self, handle: BatchHandle, layer: int, timeout_s: float | None,
                           classify: Callable[[bool, float], None]) -> None:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from prometheus_client import CollectorRegistry
 
-from . import __version__
+from ._version import __version__
 from .budget import probe_host_budget
 from .config import ServiceConfig
 from .device_indices import DeviceIndices, OnDevice, deferred_form, paired_host_pages
@@ -44,7 +44,9 @@ from .metrics import BudgetFigures, ServiceMetrics
 from .page_seq import PageSeq, paired_page_seqs, tokens_to_page_seq
 from .plan import reserve_host_pools
 from .producers import NO_PRODUCERS, parse_after
-from .request import NO_DEADLINE, POSTED, QUEUED, Request, Transfer, TransferResult
+from .handle import Transfer
+from .request import NO_DEADLINE, POSTED, QUEUED, Request
+from .result import TransferResult
 from .scheduler import HostPressureCallback, Scheduler
 from .thread_submit import HostCheck, PostedRequest, ThreadInbox
 from .transfer.base import FaultHook, TransferEngine, resolve_backend

@@ -31,7 +31,7 @@ import numpy as np
 
 from ..errors import DsaAsyncError
 from ..host_pool import HostPages
-from ..request import Transfer
+from ..handle import Transfer
 from ..service import OffloadService
 from .consumer import ForwardPass, ForwardPassStats, Step, StepResult, WriteJob
 from .conversations import Conversation, Turn

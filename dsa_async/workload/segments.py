@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..host_pool import HostPages
-from ..request import Transfer
+from ..handle import Transfer
 
 
 class SegmentState(enum.Enum):

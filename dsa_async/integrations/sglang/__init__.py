@@ -18,17 +18,11 @@ controller's transfer engine and layer counter are the service's (engine.py, lay
 
 from __future__ import annotations
 
-import os
+from .opt_in import OPT_IN_VARIABLE, opted_in
 
-#: The environment variable that turns the plug-in on ("1").
-OPT_IN_VARIABLE = "DSA_ASYNC_SGLANG"
+__all__ = ["OPT_IN_VARIABLE", "opted_in", "register"]
 
 _registered = False
-
-
-def opted_in() -> bool:
-    """Whether ``DSA_ASYNC_SGLANG=1`` is set now."""
-    return os.environ.get(OPT_IN_VARIABLE, "").strip() == "1"
 
 
 def register() -> None:

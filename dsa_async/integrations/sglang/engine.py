@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ...errors import TransferFailedError
-from ...request import Transfer
+from ...handle import Transfer
 
 log = logging.getLogger(__name__)
 

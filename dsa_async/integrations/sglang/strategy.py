@@ -33,10 +33,10 @@ from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import _DsaStrategy
 from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
 
 from ...errors import UnsupportedSettingError
-from . import opted_in
 from .engine import ServiceTransferEngine
 from .host_views import INDEXER, KV, ArenaViews
 from .layer_counter import ServiceLayerCounter
+from .opt_in import opted_in
 from .refusals import check_supported
 
 log = logging.getLogger(__name__)
