@@ -4,7 +4,10 @@ The public surface: the service, its configuration and page geometry, the handle
 and every error class it raises (all subclasses of ``DsaAsyncError``).
 """
 
+from ._moved import install as _install_moved
 from ._version import __version__
+from .completion.result import TransferResult
+from .completion.transfer import Transfer
 from .config import PoolSize, ServiceConfig
 from .errors import (
     ConfigError,
@@ -23,12 +26,10 @@ from .errors import (
     UnknownHostPagesError,
     UnsupportedSettingError,
 )
+from .front_door.service import OffloadService, ServiceStatistics
 from .geometry import HostLayout, KvDtype, PageGeometry, dsa_indexer, mla_kv
-from .handle import Transfer
-from .host_pool import HostPages
-from .page_indices import Pages
-from .result import TransferResult
-from .service import OffloadService, ServiceStatistics
+from .host_memory.pool import HostPages
+from .paging.tokens import Pages
 
 __all__ = [
     "__version__",
@@ -41,3 +42,5 @@ __all__ = [
     "PagesInFlightError", "QueueFullError", "ServiceClosedError", "TransferFailedError",
     "UnknownHostPagesError", "UnsupportedSettingError",
 ]
+
+_install_moved(__name__)  # the import paths of modules that moved keep working

@@ -15,14 +15,14 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import uvloop
+from service_fixtures import make_buffers
 
 from dsa_async.config import PoolSize, ServiceConfig
 from dsa_async.errors import TransferFailedError
-from dsa_async.exposition import start_metrics_server
+from dsa_async.front_door.service import OffloadService
 from dsa_async.geometry import dsa_indexer, mla_kv
 from dsa_async.kinds import Direction
-from dsa_async.service import OffloadService
-from service_fixtures import make_buffers
+from dsa_async.observability.exposition import start_metrics_server
 
 LAYERS = 4
 DEVICE_PAGES = 48

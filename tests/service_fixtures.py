@@ -8,8 +8,8 @@ import numpy as np
 import torch
 
 from dsa_async.config import PoolSize, ServiceConfig
+from dsa_async.front_door.service import OffloadService
 from dsa_async.geometry import dsa_indexer, mla_kv
-from dsa_async.service import OffloadService
 from dsa_async.transfer.cpu import CpuEngine
 
 PAGE = 64

@@ -28,9 +28,9 @@ from dsa_async.errors import (
     PagesInFlightError,
     UnknownHostPagesError,
 )
+from dsa_async.front_door.service import OffloadService
 from dsa_async.geometry import dsa_indexer, mla_kv, model_pools
-from dsa_async.ledger import HostLedger
-from dsa_async.service import OffloadService
+from dsa_async.host_memory.ledger import HostLedger
 
 BOUND_S = 10
 DEVICE_PAGES = 24

@@ -8,8 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from dsa_async.batch_metrics import BatchCounter, BatchHistogram
-from dsa_async.metrics import DURATION_BUCKETS_S
+from dsa_async.observability.batch_metrics import BatchCounter, BatchHistogram
+from dsa_async.observability.metrics import DURATION_BUCKETS_S
 
 values = st.lists(st.one_of(st.sampled_from(DURATION_BUCKETS_S),  # exactly on a bound: le
                             st.floats(0, 20, allow_nan=False)), max_size=60)

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 
-from dsa_async import cli_bench
 from dsa_async.bench import TARGETS, copy_scenarios, pool_scenarios
 from dsa_async.bench import runner as bench_runner
 from dsa_async.bench.copy_rig import CopyVerificationError, pages_for_bytes
@@ -31,8 +30,9 @@ from dsa_async.bench.registry import (
 )
 from dsa_async.bench.report import format_table, to_json
 from dsa_async.bench.runner import BenchConfig, BenchRun, run_bench
+from dsa_async.cli import bench as cli_bench
 from dsa_async.cli import main
-from dsa_async.cli_bench import QUICK_PAIRS
+from dsa_async.cli.bench import QUICK_PAIRS
 from dsa_async.geometry import dsa_indexer
 from dsa_async.kinds import Backend
 from dsa_async.transfer.batch import CopyBatch

@@ -3,10 +3,12 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from fake_roots import GIB, MIB, Level, make_root, write_cgroup_v1, write_cgroup_v2, write_meminfo
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsa_async.budget import (
+from dsa_async.errors import ConfigError
+from dsa_async.host_memory.budget import (
     ROOT_ENV,
     BudgetLimiter,
     CgroupVersion,
@@ -14,8 +16,6 @@ from dsa_async.budget import (
     probe_host_budget,
     read_memlock_limit_bytes,
 )
-from dsa_async.errors import ConfigError
-from fake_roots import GIB, MIB, Level, make_root, write_cgroup_v1, write_cgroup_v2, write_meminfo
 
 
 def probe(root, **kwargs):

@@ -5,11 +5,11 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from dsa_async.budget import ROOT_ENV
-from dsa_async.cli import main
-from dsa_async.ledger import LEDGER_ENV, HostLedger
 from fake_roots import GIB, make_root, write_proc_stat
+
+from dsa_async.cli import main
+from dsa_async.host_memory.budget import ROOT_ENV
+from dsa_async.host_memory.ledger import LEDGER_ENV, HostLedger
 
 REPO = Path(__file__).resolve().parents[1]
 AVAILABLE_BYTES = 48 * GIB - GIB  # the fake root's MemAvailable minus the default 1 GiB reserve

@@ -12,9 +12,9 @@ from service_fixtures import make_buffers, tokens
 
 from dsa_async.config import PoolSize, ServiceConfig
 from dsa_async.errors import ServiceClosedError
+from dsa_async.front_door.service import OffloadService, ServiceState
 from dsa_async.geometry import dsa_indexer
-from dsa_async.ledger import HostLedger
-from dsa_async.service import OffloadService, ServiceState
+from dsa_async.host_memory.ledger import HostLedger
 from dsa_async.transfer.batch import BatchHandle
 from dsa_async.transfer.cpu import CpuEngine
 

@@ -16,8 +16,8 @@ import torch
 from service_fixtures import PAGE, offset_layers
 
 from dsa_async.config import PoolSize, ServiceConfig
+from dsa_async.front_door.service import OffloadService
 from dsa_async.geometry import HostLayout, dsa_indexer, mla_kv
-from dsa_async.service import OffloadService
 
 LAYERS, DEVICE_PAGES, HOST_PAGES = 3, 24, 32
 

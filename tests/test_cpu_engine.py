@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dsa_async.geometry import HostLayout, dsa_indexer, mla_kv
-from dsa_async.host_pool import HostPool
+from dsa_async.host_memory.pool import HostPool
 from dsa_async.kinds import Direction
 from dsa_async.transfer.batch import CopyBatch, Dependency
 from dsa_async.transfer.buffers import bind_pool

@@ -16,10 +16,10 @@ import torch
 
 from dsa_async.config import PoolSize, ServiceConfig
 from dsa_async.errors import ConfigError
+from dsa_async.front_door.service import OffloadService
 from dsa_async.geometry import HostLayout, dsa_indexer, mla_kv
-from dsa_async.host_pool import HostPool
+from dsa_async.host_memory.pool import HostPool
 from dsa_async.kinds import Backend, Direction
-from dsa_async.service import OffloadService
 from dsa_async.transfer.base import resolve_backend
 from dsa_async.transfer.buffers import bind_pool
 from dsa_async.transfer.cuda_copy import (

@@ -11,7 +11,7 @@ from dsa_async.bench.cuda_launch_scenarios import EXTENTS, RANDOM, calls_per_lay
 from dsa_async.bench.device import BenchDevice
 from dsa_async.bench.registry import TARGETS, BenchContext
 from dsa_async.geometry import dsa_indexer
-from dsa_async.host_pool import HostPool
+from dsa_async.host_memory.pool import HostPool
 from dsa_async.kinds import Backend, Direction
 from dsa_async.transfer.buffers import bind_pool
 from dsa_async.transfer.cuda_copy import BatchCopy, DeviceStaging, PoolTarget, issue_batch

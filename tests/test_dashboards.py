@@ -9,9 +9,6 @@ from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
-
-from dsa_async.kinds import Backend
-from dsa_async.metrics import BudgetFigures, ServiceMetrics
 from prometheus_harness import (
     DASHBOARDS_DIR,
     dashboard_files,
@@ -20,6 +17,9 @@ from prometheus_harness import (
     require_tool,
     run_tool,
 )
+
+from dsa_async.kinds import Backend
+from dsa_async.observability.metrics import BudgetFigures, ServiceMetrics
 
 DATASOURCE_PROVISIONING = DASHBOARDS_DIR / "grafana" / "provisioning" / "datasources" / "prometheus.yaml"
 GRID_WIDTH = 24

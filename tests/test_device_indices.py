@@ -22,8 +22,8 @@ from service_fixtures import PAGE, LateIndexEngine, make_buffers, page_bytes, to
 from dsa_async import Pages
 from dsa_async.config import PoolSize, ServiceConfig
 from dsa_async.errors import IndexTypeError, IndexValueError, TransferFailedError
+from dsa_async.front_door.service import OffloadService
 from dsa_async.geometry import dsa_indexer, mla_kv
-from dsa_async.service import OffloadService
 from dsa_async.transfer.cpu import CpuEngine
 
 BOUND_S = 10

@@ -8,9 +8,9 @@ import urllib.request
 import pytest
 from prometheus_client import CollectorRegistry
 
-from dsa_async.exposition import MetricsServer, make_asgi_app, start_metrics_server
 from dsa_async.kinds import Backend, Direction
-from dsa_async.metrics import BudgetFigures, ServiceMetrics
+from dsa_async.observability.exposition import MetricsServer, make_asgi_app, start_metrics_server
+from dsa_async.observability.metrics import BudgetFigures, ServiceMetrics
 
 
 @pytest.fixture

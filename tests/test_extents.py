@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsa_async.extents import ExtentAllocator
+from dsa_async.host_memory.extents import ExtentAllocator
 
 
 class PageModel:

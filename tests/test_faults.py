@@ -21,10 +21,10 @@ from service_fixtures import make_buffers, make_service, page_bytes, tokens
 
 from dsa_async.config import PoolSize, ServiceConfig
 from dsa_async.errors import HostBudgetExceeded, HostPoolExhausted, TransferFailedError
+from dsa_async.front_door.service import OffloadService
 from dsa_async.geometry import dsa_indexer
+from dsa_async.host_memory.ledger import LEDGER_SCHEMA, HostLedger, read_process_start_ticks
 from dsa_async.kinds import Direction
-from dsa_async.ledger import LEDGER_SCHEMA, HostLedger, read_process_start_ticks
-from dsa_async.service import OffloadService
 
 BOUND_S = 10
 REPO = Path(__file__).resolve().parents[1]

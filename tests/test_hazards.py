@@ -5,9 +5,9 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsa_async.hazards import HazardTable
 from dsa_async.kinds import Direction
-from dsa_async.request import Request
+from dsa_async.scheduling.hazards import HazardTable
+from dsa_async.scheduling.request import Request
 
 D2H, H2D = Direction.D2H, Direction.H2D
 PAGES = 40  # small page spaces, so requests collide often

@@ -7,9 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsa_async.errors import UnknownHostPagesError
-from dsa_async.extents import ExtentAllocator
 from dsa_async.geometry import HostLayout, dsa_indexer, mla_kv
-from dsa_async.host_pool import HostPool
+from dsa_async.host_memory.extents import ExtentAllocator
+from dsa_async.host_memory.pool import HostPool
 
 
 def _reference_choice(extents: list[tuple[int, int]], size: int) -> list[tuple[int, int]] | None:

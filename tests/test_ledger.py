@@ -6,18 +6,18 @@ import sys
 from pathlib import Path
 
 import pytest
+from fake_roots import GIB, make_root, write_meminfo, write_proc_stat
 
 from dsa_async.errors import ConfigError, HostBudgetExceeded, LedgerError
 from dsa_async.geometry import dsa_indexer
-from dsa_async.ledger import (
+from dsa_async.host_memory.ledger import (
     LEDGER_ENV,
     LEDGER_SCHEMA,
     HostLedger,
     default_ledger_directory,
     read_process_start_ticks,
 )
-from dsa_async.plan import reserve_host_pools
-from fake_roots import GIB, make_root, write_meminfo, write_proc_stat
+from dsa_async.host_memory.plan import reserve_host_pools
 
 REPO = Path(__file__).resolve().parents[1]
 INDEXER = dsa_indexer()

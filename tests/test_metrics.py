@@ -8,16 +8,16 @@ import time
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_harness import require_tool, run_tool
 
 from dsa_async.errors import ConfigError
 from dsa_async.kinds import Backend, BudgetKind, Direction, Outcome, PoolState, Timeliness
-from dsa_async.loop_lag import EventLoopLagMonitor
-from dsa_async.metrics import (
+from dsa_async.observability.loop_lag import EventLoopLagMonitor
+from dsa_async.observability.metrics import (
     DURATION_BUCKETS_S,
     BudgetFigures,
     ServiceMetrics,
 )
-from prometheus_harness import require_tool, run_tool
 
 DIRECTIONS = [{"direction": d.value} for d in Direction]
 

@@ -8,10 +8,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsa_async import Pages
-from dsa_async.aligned_tokens import aligned_pages
 from dsa_async.errors import IndexTypeError, IndexValueError, PageAlignmentError
-from dsa_async.page_seq import paired_page_seqs, tokens_to_page_seq
-from dsa_async.pages import checked_index_array, pair_tokens_to_pages, page_tokens, tokens_to_pages
+from dsa_async.paging.runs import page_tokens
+from dsa_async.paging.tokens import (
+    aligned_pages,
+    checked_index_array,
+    pair_tokens_to_pages,
+    paired_page_seqs,
+    tokens_to_page_seq,
+    tokens_to_pages,
+)
 
 PS = 8
 BOUND_PAGES = 40

@@ -7,13 +7,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dsa_async.errors import IndexTypeError, IndexValueError, PageAlignmentError
-from dsa_async.page_seq import (
-    compact,
-    concat_pages,
+from dsa_async.paging.runs import compact, concat_pages
+from dsa_async.paging.tokens import (
+    pair_tokens_to_pages,
     paired_page_seqs,
     tokens_to_page_seq,
+    tokens_to_pages,
 )
-from dsa_async.pages import pair_tokens_to_pages, tokens_to_pages
 
 PS = 64
 BOUND = 64 * 100

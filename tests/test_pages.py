@@ -7,13 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsa_async.errors import IndexTypeError, IndexValueError, PageAlignmentError
-from dsa_async.pages import (
-    as_index_array,
-    expand_runs,
-    page_runs,
-    pair_tokens_to_pages,
-    tokens_to_pages,
-)
+from dsa_async.paging.runs import expand_runs, page_runs
+from dsa_async.paging.tokens import as_index_array, pair_tokens_to_pages, tokens_to_pages
 
 PS = 64
 

@@ -1,15 +1,20 @@
 import dataclasses
 
 import pytest
+from fake_roots import GIB, MIB, Level, make_root, write_cgroup_v2, write_meminfo
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsa_async.budget import BudgetLimiter, BudgetSnapshot, probe_host_budget
 from dsa_async.errors import ConfigError, HostBudgetExceeded
 from dsa_async.geometry import KvDtype, dsa_indexer, mla_kv, model_pools
-from dsa_async.ledger import HostLedger
-from dsa_async.plan import budget_exceeded_message, format_bytes, plan_pools, reserve_host_pools
-from fake_roots import GIB, MIB, Level, make_root, write_cgroup_v2, write_meminfo
+from dsa_async.host_memory.budget import BudgetLimiter, BudgetSnapshot, probe_host_budget
+from dsa_async.host_memory.ledger import HostLedger
+from dsa_async.host_memory.plan import (
+    budget_exceeded_message,
+    format_bytes,
+    plan_pools,
+    reserve_host_pools,
+)
 
 INDEXER = dsa_indexer()
 GB = 10**9

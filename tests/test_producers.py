@@ -18,9 +18,9 @@ from service_fixtures import CaptureRecordingEngine, make_buffers, make_service,
 
 from dsa_async.config import PoolSize, ServiceConfig
 from dsa_async.errors import TransferFailedError
+from dsa_async.front_door.service import OffloadService
 from dsa_async.geometry import dsa_indexer
 from dsa_async.kinds import Direction
-from dsa_async.service import OffloadService
 
 BOUND_S = 10
 LAYERS = 3

@@ -18,7 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dsa_async.geometry import HostLayout, dsa_indexer, mla_kv
-from dsa_async.host_pool import HostPool
+from dsa_async.host_memory.pool import HostPool
 from dsa_async.kinds import Direction
 from dsa_async.transfer.buffers import bind_pool
 from dsa_async.transfer.cuda_copy import BatchCopy, DeviceStaging, PoolTarget, issue_batch

@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from dsa_async.completion.result import TransferResult
 from dsa_async.kinds import Direction
-from dsa_async.request import Request
-from dsa_async.result import TransferResult
+from dsa_async.scheduling.request import Request
 
 deadlines = st.one_of(st.just(math.inf), st.floats(0, 10, allow_nan=False))
 

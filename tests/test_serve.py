@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 
 from dsa_async.cli import build_parser, main
-from dsa_async.cli_serve import options_from
-from dsa_async.ledger import LEDGER_ENV
+from dsa_async.cli.serve import options_from
+from dsa_async.host_memory.ledger import LEDGER_ENV
 from dsa_async.workload.runner import STARTED, serve
 
 REPO = Path(__file__).resolve().parents[1]

@@ -9,13 +9,18 @@ import threading
 
 import pytest
 import torch
-
-from dsa_async.errors import (PageAlignmentError, PagesInFlightError, ServiceClosedError,
-                              TransferFailedError, UnknownHostPagesError)
-from dsa_async.kinds import Direction
-from dsa_async.ledger import HostLedger
-from dsa_async.service import OffloadService
 from service_fixtures import PAGE, make_service, page_bytes, tokens
+
+from dsa_async.errors import (
+    PageAlignmentError,
+    PagesInFlightError,
+    ServiceClosedError,
+    TransferFailedError,
+    UnknownHostPagesError,
+)
+from dsa_async.front_door.service import OffloadService
+from dsa_async.host_memory.ledger import HostLedger
+from dsa_async.kinds import Direction
 
 BOUND_S = 10  # generous: only proves nothing hangs
 

@@ -12,10 +12,10 @@ from service_fixtures import PAGE, make_buffers, page_bytes, tokens
 
 from dsa_async.config import PoolSize, ServiceConfig
 from dsa_async.errors import HostBudgetExceeded
+from dsa_async.front_door.service import ServiceState
 from dsa_async.geometry import dsa_indexer
+from dsa_async.host_memory.ledger import HostLedger
 from dsa_async.integrations.loop_thread import ServiceThread
-from dsa_async.ledger import HostLedger
-from dsa_async.service import ServiceState
 
 WAIT_S = 10
 

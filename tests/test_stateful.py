@@ -53,12 +53,17 @@ from service_fixtures import PAGE, LateIndexEngine, offset_layers
 
 from dsa_async import Pages
 from dsa_async.config import PoolSize, ServiceConfig
-from dsa_async.errors import (HostPoolExhausted, IndexValueError, PagesInFlightError,
-                              ServiceClosedError, TransferFailedError)
+from dsa_async.errors import (
+    HostPoolExhausted,
+    IndexValueError,
+    PagesInFlightError,
+    ServiceClosedError,
+    TransferFailedError,
+)
+from dsa_async.front_door.service import OffloadService
 from dsa_async.geometry import dsa_indexer, mla_kv
-from dsa_async.host_pool import HostPages
-from dsa_async.ledger import HostLedger
-from dsa_async.service import OffloadService
+from dsa_async.host_memory.ledger import HostLedger
+from dsa_async.host_memory.pool import HostPages
 
 LAYERS, DEVICE_PAGES, HOST_PAGES = 3, 24, 32
 STEPS = int(os.environ.get("DSA_ASYNC_STATEFUL_STEPS", "500"))

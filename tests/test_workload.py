@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from dsa_async.config import PoolSize, ServiceConfig
-from dsa_async.host_pool import HostPages
-from dsa_async.service import OffloadService
+from dsa_async.front_door.service import OffloadService
+from dsa_async.host_memory.pool import HostPages
 from dsa_async.workload.conversations import (
     Conversation,
     MultiTurnModel,
@@ -29,6 +29,7 @@ from dsa_async.workload.host_cache import HostCache
 from dsa_async.workload.pagedata import PagePatterns
 from dsa_async.workload.runner import allocate_device_buffers, pool_geometries
 from dsa_async.workload.segments import Segment, SegmentState, pages_spanned
+from dsa_async.workload.tiers import PageTiers
 
 BOUND_S = 20  # generous: only proves nothing hangs
 
@@ -250,7 +251,7 @@ def test_dropping_a_held_handle_waits_for_the_last_hold():
 # --- the engine on a real (small, CPU) service --------------------------------------------
 
 
-class _CorruptingEngine(ServingEngine):
+class _CorruptingTiers(PageTiers):
     """Flips one byte of the first backup's host copy, as a bad copy path would."""
 
     corrupted: Segment | None = None
@@ -261,6 +262,10 @@ class _CorruptingEngine(ServingEngine):
             self.corrupted = segment
             arena = self.service.host_pool.arenas["kv"]
             arena[0, int(segment.host.pages[-1]), 5] ^= 0xFF
+
+
+class _CorruptingEngine(ServingEngine):
+    tiers_class = _CorruptingTiers
 
 
 async def _run_engine(tmp_path, engine_cls=ServingEngine):
@@ -304,7 +309,8 @@ async def test_engine_evicts_prefetches_and_verifies_every_page_without_leaks(tm
 
 async def test_engine_detects_a_corrupted_host_copy(tmp_path):
     engine, start, end = await _run_engine(tmp_path, _CorruptingEngine)
-    assert engine.corrupted is not None and engine.corrupted.key == "conversation:A"
+    corrupted = engine.tiers.corrupted
+    assert corrupted is not None and corrupted.key == "conversation:A"
     assert engine.counters.verified_pages == 3 and engine.counters.mismatches == 1
     assert end == start
 
@@ -314,7 +320,7 @@ class _PressureBeforeTheCheck(ServingEngine):
     no longer read) and before the step's pages are checked."""
 
     def _on_step_done(self, step, result):
-        loading = [t for t in step.waits if t in self._prefetches]  # its done callback pending
+        loading = [t for t in step.waits if self.tiers.loading(t)]  # its done callback pending
         if loading:  # callbacks run in order: the engine's own bookkeeping of the load first
             loading[0].add_done_callback(lambda _t: self._on_step_done(step, result))
             return

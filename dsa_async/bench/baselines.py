@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..pages import page_tokens
+from ..paging.runs import page_tokens
 from .copy_rig import CopyRig
 from .device import BenchDevice
 

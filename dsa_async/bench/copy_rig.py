@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from ..geometry import PageGeometry
-from ..host_pool import HostPool
+from ..host_memory.pool import HostPool
 from ..kinds import Direction
 from ..transfer.batch import BatchHandle, CopyBatch, Dependency
 from ..transfer.buffers import PoolBinding, bind_pool

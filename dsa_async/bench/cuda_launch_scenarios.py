@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ..geometry import HostLayout
-from ..host_pool import HostPool
+from ..host_memory.pool import HostPool
 from ..kinds import Direction
 from ..transfer.buffers import bind_pool
 from ..transfer.cuda_copy import (

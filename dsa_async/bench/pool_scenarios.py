@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..host_pool import HostPool
+from ..host_memory.pool import HostPool
 from .copy_rig import pages_for_bytes
 from .measure import interleaved_pairs
 from .registry import (

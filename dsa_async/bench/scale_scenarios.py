@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..front_door.service import OffloadService
 from ..geometry import dsa_indexer
-from ..pages import page_tokens
-from ..service import OffloadService
+from ..paging.runs import page_tokens
 from ..transfer.noop import NoopEngine
 from .measure import MIN_PAIRS
 from .registry import BenchContext, Comparison, Target, register_scenario, register_target

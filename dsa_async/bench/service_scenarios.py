@@ -17,8 +17,8 @@ import time
 import torch
 
 from ..config import PoolSize, ServiceConfig
+from ..front_door.service import OffloadService
 from ..geometry import PageGeometry
-from ..service import OffloadService
 from ..transfer.noop import NoopEngine
 from .registry import BenchContext, Comparison, Target, register_scenario, register_target
 

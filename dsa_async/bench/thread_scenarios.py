@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from ..service import OffloadService
+from ..front_door.service import OffloadService
 from ..transfer.noop import NoopEngine
 from .registry import BenchContext, Comparison, Target, register_scenario, register_target
 from .service_scenarios import DEVICE_PAGES, bench_service, overhead_round_us, token_requests

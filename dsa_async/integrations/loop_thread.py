@@ -25,7 +25,7 @@ from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
 from ..config import ServiceConfig
-from ..service import OffloadService
+from ..front_door.service import OffloadService
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from ..errors import TransferFailedError
 from ..kinds import Direction
 
 if TYPE_CHECKING:
-    from ..device_indices import DeviceIndices
+    from ..paging.device_indices import DeviceIndices
 
 _batch_ids = itertools.count(1)
 

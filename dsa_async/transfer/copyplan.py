@@ -26,7 +26,7 @@ import torch
 
 from ..geometry import HostLayout
 from ..kinds import Direction
-from ..pages import is_run, page_runs
+from ..paging.runs import is_run, page_runs
 from .buffers import PoolBinding, same_width
 
 #: Below this many bytes per call, Python and dispatch overhead dominate a copy.

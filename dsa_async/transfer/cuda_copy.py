@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from ..kinds import Direction
-from ..pages import is_run, page_runs
+from ..paging.runs import is_run, page_runs
 from .buffers import PoolBinding, same_width
 from .copyplan import MIN_BYTES_PER_CALL
 from .registrations import RegistrationMap

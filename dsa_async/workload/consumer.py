@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..handle import Transfer
+from ..completion.transfer import Transfer
 from .pagedata import PagePatterns
 
 log = logging.getLogger(__name__)

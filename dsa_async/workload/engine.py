@@ -13,8 +13,9 @@ own) must be on the device, plus room for the tokens it appends. Admission
 When a step comes back, the pages it loaded are checked against the checksums recorded when
 they were backed up, the pages it wrote get their new checksums, and its segments become
 evictable again. Between steps the engine keeps ``low_watermark_pages`` free by evicting early,
-so backups overlap compute too. Host copies live in a ``HostCache``; the service's host-pressure
-hook (:meth:`ServingEngine.on_host_pressure`) releases the least recently used ones.
+so backups overlap compute too. The moves themselves (backups, loads, host copies and the
+service's host-pressure hook, :meth:`ServingEngine.on_host_pressure`) are ``PageTiers``'
+(tiers.py); this module decides when.
 
 Everything here runs on the event-loop thread and never blocks it.
 """
@@ -29,17 +30,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import DsaAsyncError
-from ..host_pool import HostPages
-from ..handle import Transfer
-from ..service import OffloadService
+from ..completion.transfer import Transfer
+from ..front_door.service import OffloadService
 from .consumer import ForwardPass, ForwardPassStats, Step, StepResult, WriteJob
 from .conversations import Conversation, Turn
 from .counters import WorkloadCounters
-from .device_cache import DeviceCache
-from .host_cache import HostCache
 from .pagedata import PagePatterns
 from .segments import Segment, SegmentState, pages_spanned
+from .tiers import PageTiers
 
 log = logging.getLogger(__name__)
 
@@ -105,24 +103,24 @@ class _StepContext:
 
 
 class ServingEngine:
+    #: where segments' pages are and the copies between tiers (a subclass may change it)
+    tiers_class: type[PageTiers] = PageTiers
+
     def __init__(self, service: OffloadService, patterns: PagePatterns, settings: EngineSettings,
                  counters: WorkloadCounters | None = None) -> None:
         self.service = service
         self.settings = settings
         self.counters = counters if counters is not None else WorkloadCounters()
-        self.device = DeviceCache(settings.device_pages)
-        self.host = HostCache(service.release)
+        self.tiers = self.tiers_class(service, settings.device_pages, self.counters, self._wake_up)
+        self.device = self.tiers.device
+        self.host = self.tiers.host
         self._patterns = patterns
         self._loop = asyncio.get_running_loop()
         self._prompts: dict[str, Segment] = {}
-        self._segments: set[Segment] = set()
         self._conversations: dict[str, ConversationState] = {}
         self._waiting: collections.deque[_Pending] = collections.deque()
         self._wake = asyncio.Event()
         self._steps_in_flight = 0
-        self._freeing_pages = 0
-        self._evictions: set[Segment] = set()
-        self._prefetches: set[Transfer] = set()
         self._seeds = itertools.count(1)
         self._seed_base = (settings.seed & 0xFFFFFF) << 40
         self._step_s = 0.02  # running estimate of one step's time, for prefetch deadlines
@@ -171,7 +169,7 @@ class ServingEngine:
             self._waiting.popleft().future.cancel()
         await self._until(lambda: self._steps_in_flight == 0)
         await asyncio.to_thread(self._forward.stop)
-        await self._until(lambda: not self._evictions and not self._prefetches)
+        await self._until(lambda: not self.tiers.copies_in_flight)
 
     def release_everything(self) -> None:
         """Drop every segment: device pages back to the page table, host handles back to the
@@ -179,10 +177,18 @@ class ServingEngine:
         assert self._closing and self._steps_in_flight == 0
         for conversation in list(self._conversations.values()):
             self._conversations.pop(conversation.conversation_id, None)
-        for segment in list(self._segments):
-            self._retire(segment)
+        for segment in list(self.tiers.segments):
+            self.tiers.retire(segment)
         self._prompts.clear()
         self.host.retry_deferred()
+
+    def _wake_up(self) -> None:
+        self._wake.set()
+
+    def on_host_pressure(self, pages_needed: int) -> int:
+        """The service's ``on_host_pressure`` hook (on the loop): release least recently used
+        host copies that no prefetch reads."""
+        return self.tiers.on_host_pressure(pages_needed)
 
     async def _until(self, condition) -> None:
         while not condition():
@@ -204,10 +210,10 @@ class ServingEngine:
                 if prompt_segment is None or prompt_segment.end_token != whole:
                     prompt_segment = Segment(f"prompt:{key}", 0, whole, ps, shared=True)
                     self._prompts[key] = prompt_segment
-                    self._segments.add(prompt_segment)
+                    self.tiers.segments.add(prompt_segment)
         own = Segment(f"conversation:{conversation.conversation_id}", prompt_tokens,
                       prompt_tokens, ps)
-        self._segments.add(own)
+        self.tiers.segments.add(own)
         state = ConversationState(conversation.conversation_id, prompt_segment, prompt_tokens, own)
         self._conversations[conversation.conversation_id] = state
         self.counters.conversations_started += 1
@@ -222,7 +228,7 @@ class ServingEngine:
         if finished:
             self.counters.conversations_finished += 1
         if not state.busy:
-            self._retire(state.own)
+            self.tiers.retire(state.own)
 
     async def run_turn(self, state: ConversationState, turn: Turn) -> None:
         """Queue one turn of ``state`` and wait until its forward pass is back."""
@@ -254,7 +260,7 @@ class ServingEngine:
                 continue
             need = self._pages_needed(state, new_end)
             if self.device.free_pages < need:
-                self._evict_for(need + self.settings.low_watermark_pages, keep=segments)
+                self.tiers.evict_for(need + self.settings.low_watermark_pages, keep=segments)
                 if self.device.free_pages < need:
                     self._wake.clear()
                     await self._wake.wait()  # an eviction or a step ends
@@ -274,9 +280,9 @@ class ServingEngine:
             return end
         if own.num_tokens:
             self.counters.context_resets += 1
-            self._retire(own)
+            self.tiers.retire(own)
             own = Segment(own.key, state.prompt_tokens, state.prompt_tokens, own.page_size)
-            self._segments.add(own)
+            self.tiers.segments.add(own)
             state.own = own
         return min(own.end_token + turn.tokens, limit)
 
@@ -330,29 +336,10 @@ class ServingEngine:
 
     def _load(self, segment: Segment, deadline_s: float, context: _StepContext,
               waits: list[Transfer]) -> None:
-        pages = self.device.allocate(segment.num_pages)
-        handle = segment.host
-        try:
-            transfer = self.service.prefetch(handle, segment.device_tokens(pages),
-                                             deadline_s=deadline_s)
-        except DsaAsyncError as exc:  # refused (e.g. queue full): compute it again instead
-            log.error("prefetch of %r refused: %s", segment, exc)
-            self.counters.failed_prefetches += 1
-            self.counters.errors += 1
-            self.device.free(pages)
-            self.host.forget(segment)
-            self._detach_host(segment)
-            self.host.drop(handle)
+        transfer = self.tiers.load(segment, deadline_s)
+        if transfer is None:  # refused: the segment is computed again instead
             return
-        segment.device_pages = pages
-        segment.state = SegmentState.LOADING
-        segment.loading = transfer
-        self.host.hold(handle)
-        self.host.touch(segment)
-        self._prefetches.add(transfer)
-        transfer.add_done_callback(lambda t: self._prefetch_done(t, handle))
-        self.counters.prefetches += 1
-        context.loads.append((segment, pages, segment.host_checksums))
+        context.loads.append((segment, segment.device_pages, segment.host_checksums))
         waits.append(transfer)
 
     def _compute(self, segment: Segment, old_end: int, new_end: int,
@@ -401,7 +388,7 @@ class ServingEngine:
                 segment.checksums[offsets] = got
                 counters.computed_pages += got.size
                 if segment.host is not None:  # its host copy no longer matches
-                    self._drop_host(segment)
+                    self.tiers.drop_host(segment)
             counters.turns_finished += 1
             counters.tokens_appended += context.tokens
         else:
@@ -411,25 +398,25 @@ class ServingEngine:
                       result.error)
             for segment in {*(s for s, _p, _c in context.loads), *(s for s, _o in context.writes)}:
                 if segment.pins == 1:  # only this step uses it: its contents are unknown
-                    self._lose(segment)
+                    self.tiers.lose(segment)
         for segment in context.segments:
             segment.pins -= 1
             if segment.pins == 0:
                 if segment.retired:
-                    self._retire(segment)
+                    self.tiers.retire(segment)
                 elif segment.state is SegmentState.RESIDENT:
                     self.device.touch(segment)
         state = context.conversation
         state.busy = False
         if state.closed:
-            self._retire(state.own)
+            self.tiers.retire(state.own)
         if not context.future.done():
             if result.error is None:
                 context.future.set_result(None)
             else:
                 context.future.set_exception(result.error)
         if not self._closing:
-            self._evict_for(self.settings.low_watermark_pages)
+            self.tiers.evict_for(self.settings.low_watermark_pages)
         self._wake.set()
 
     def _check_load(self, segment: Segment, got: np.ndarray, expected: np.ndarray) -> None:
@@ -444,127 +431,3 @@ class ServingEngine:
         segment.checksums[:got.size] = got  # the pages after them are this step's new ones
         segment.state = SegmentState.RESIDENT
         segment.loading = None
-
-    def _prefetch_done(self, transfer: Transfer, handle: HostPages) -> None:
-        self._prefetches.discard(transfer)
-        self.host.unhold(handle)
-        if transfer.cancelled() or self._failed(transfer):
-            self.counters.failed_prefetches += 1
-            self.counters.errors += 1
-        else:
-            self.counters.prefetched_pages += transfer.num_pages
-        self._wake.set()
-
-    @staticmethod
-    def _failed(transfer: Transfer) -> bool:
-        try:
-            transfer.result()
-        except Exception as exc:  # noqa: BLE001 - reported, the step sees it too
-            log.error("%r failed: %s", transfer, exc)
-            return True
-        return False
-
-    # --- eviction ---------------------------------------------------------------------------
-
-    def _evict_for(self, target_free_pages: int, keep: list[Segment] = ()) -> None:
-        """Start evicting least recently used segments until free plus soon-free pages reach
-        ``target_free_pages``."""
-        for segment in self.device.evictable():
-            if self.device.free_pages + self._freeing_pages >= target_free_pages:
-                return
-            if segment not in keep:
-                self._evict(segment)
-
-    def _evict(self, segment: Segment) -> None:
-        self.device.discard(segment)
-        pages = segment.device_pages
-        if segment.host is not None:  # the host copy is still what the device holds
-            segment.device_pages = None
-            segment.state = SegmentState.HOSTED
-            self.device.free(pages)
-            self.counters.dropped_without_copy_pages += pages.size
-            return
-        try:
-            transfer = self.service.evict(segment.device_tokens())
-        except DsaAsyncError as exc:
-            log.error("eviction of %r refused: %s; its pages are dropped", segment, exc)
-            self.counters.failed_evictions += 1
-            self.counters.errors += 1
-            self._lose(segment)
-            return
-        segment.state = SegmentState.EVICTING
-        segment.evicted = self._loop.create_future()
-        self._evictions.add(segment)
-        self._freeing_pages += pages.size
-        recorded = segment.checksums.copy()
-        transfer.add_done_callback(lambda t: self._eviction_done(segment, t, recorded))
-        self.counters.evictions += 1
-        self.counters.evicted_pages += pages.size
-
-    def _eviction_done(self, segment: Segment, transfer: Transfer, recorded: np.ndarray) -> None:
-        pages = segment.device_pages
-        self._evictions.discard(segment)
-        self._freeing_pages -= pages.size
-        self.device.free(pages)  # the backup has read them
-        segment.device_pages = None
-        if transfer.cancelled() or self._failed(transfer):
-            self.counters.failed_evictions += 1
-            self.counters.errors += 1
-            segment.state = SegmentState.ABSENT
-        else:
-            segment.host = transfer.result().host_pages
-            segment.host_checksums = recorded
-            segment.state = SegmentState.HOSTED
-            self.host.touch(segment)
-        if segment.retired:
-            self._retire(segment)
-        segment.evicted.set_result(None)
-        self._wake.set()
-
-    # --- host copies ------------------------------------------------------------------------
-
-    def on_host_pressure(self, pages_needed: int) -> int:
-        """The service's ``on_host_pressure`` hook (on the loop): release least recently used
-        host copies that no prefetch reads."""
-        return self.host.reclaim(pages_needed, self._reclaim_host)
-
-    def _reclaim_host(self, segment: Segment) -> HostPages:
-        if segment.state is SegmentState.HOSTED:  # its only copy: computed again on next use
-            self.counters.host_copies_lost += 1
-        return self._detach_host(segment)
-
-    @staticmethod
-    def _detach_host(segment: Segment) -> HostPages:
-        handle = segment.host
-        segment.host = None
-        segment.host_checksums = None
-        if segment.state is SegmentState.HOSTED:
-            segment.state = SegmentState.ABSENT
-        return handle
-
-    def _drop_host(self, segment: Segment) -> None:
-        self.host.forget(segment)
-        self.host.drop(self._detach_host(segment))
-
-    def _lose(self, segment: Segment) -> None:
-        """Forget ``segment``'s contents everywhere (it is computed again on next use)."""
-        if segment.device_pages is not None and segment.state is not SegmentState.EVICTING:
-            self.device.discard(segment)
-            pages, loading = segment.device_pages, segment.loading
-            if loading is not None and not loading.done():  # its copy still writes them
-                loading.add_done_callback(lambda _t: self.device.free(pages))
-            else:
-                self.device.free(pages)
-            segment.device_pages = None
-        if segment.host is not None:
-            self._drop_host(segment)
-        segment.loading = None
-        segment.state = SegmentState.ABSENT
-
-    def _retire(self, segment: Segment) -> None:
-        """``segment`` is no longer wanted: drop it once nothing uses it."""
-        segment.retired = True
-        if segment.pins or segment.state is SegmentState.EVICTING:
-            return  # its step or its backup finishes first
-        self._lose(segment)
-        self._segments.discard(segment)

@@ -15,7 +15,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 
 from ..errors import PagesInFlightError
-from ..host_pool import HostPages
+from ..host_memory.pool import HostPages
 from .segments import Segment
 
 log = logging.getLogger(__name__)

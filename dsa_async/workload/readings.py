@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry
 
 from ..kinds import Direction, Outcome, PoolState, Timeliness
-from ..metrics import PREFIX
+from ..observability.metrics import PREFIX
 
 
 def _value(registry: CollectorRegistry, name: str, **labels: str) -> float:

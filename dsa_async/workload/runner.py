@@ -23,7 +23,7 @@ import torch
 
 from ..config import PoolSize, ServiceConfig
 from ..errors import ConfigError
-from ..exposition import MetricsServer, start_metrics_server
+from ..front_door.service import OffloadService
 from ..geometry import (
     DEEPSEEK_V32_LAYERS,
     DSA_PAGE_SIZE_TOKENS,
@@ -33,7 +33,7 @@ from ..geometry import (
     mla_kv,
 )
 from ..kinds import Backend
-from ..service import OffloadService
+from ..observability.exposition import MetricsServer, start_metrics_server
 from ..transfer.base import resolve_backend
 from .arrivals import ArrivalDriver
 from .conversations import MultiTurnModel, WorkloadSpec, parse_trace

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..host_pool import HostPages
-from ..handle import Transfer
+from ..completion.transfer import Transfer
+from ..host_memory.pool import HostPages
 
 
 class SegmentState(enum.Enum):

@@ -12,8 +12,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..plan import human_bytes
-from ..service import ServiceStatistics
+from ..front_door.service import ServiceStatistics
+from ..host_memory.plan import human_bytes
 from .counters import WorkloadCounters
 from .readings import ServiceReadings
 

@@ -40,7 +40,7 @@ import asyncio, time
 import numpy as np
 import torch
 from dsa_async.geometry import dsa_indexer
-from dsa_async.host_pool import HostPool
+from dsa_async.host_memory.pool import HostPool
 from dsa_async.kinds import Direction
 from dsa_async.transfer.batch import CopyBatch
 from dsa_async.transfer.buffers import bind_pool

@@ -18,7 +18,7 @@ import torch
 
 from dsa_async.errors import TransferFailedError
 from dsa_async.geometry import HostLayout, KvDtype, PageGeometry, dsa_indexer, mla_kv
-from dsa_async.host_pool import HostPool
+from dsa_async.host_memory.pool import HostPool
 from dsa_async.kinds import Direction
 from dsa_async.transfer.batch import CopyBatch, Dependency
 from dsa_async.transfer.buffers import bind_pool

@@ -11,7 +11,7 @@ import torch
 
 from dsa_async.errors import HostBudgetExceeded
 from dsa_async.geometry import dsa_indexer, mla_kv
-from dsa_async.host_pool import HostPool
+from dsa_async.host_memory.pool import HostPool
 from dsa_async.transfer.buffers import bind_pool
 from dsa_async.transfer.cuda import CudaEngine
 from dsa_async.transfer.handoff import LoopHandoff

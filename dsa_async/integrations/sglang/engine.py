@@ -31,8 +31,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ...completion.transfer import Transfer
 from ...errors import TransferFailedError
-from ...handle import Transfer
 
 log = logging.getLogger(__name__)
 

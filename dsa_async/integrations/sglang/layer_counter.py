@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ...handle import Transfer
+from ...completion.transfer import Transfer
 from .engine import fatal
 
 NUM_SLOTS = 3  #: SGLang's ring of producer slots (LayerDoneCounter.num_counters)

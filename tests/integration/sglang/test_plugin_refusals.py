@@ -50,15 +50,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from dsa_async.errors import UnsupportedSettingError
-from dsa_async.integrations import loop_thread
-from dsa_async.integrations.sglang import refusals, strategy
-from dsa_async.integrations.sglang.strategy import DsaAsyncStrategy
-from dsa_async.ledger import HostLedger
 from dsa_hicache_harness import DsaHiCacheSettings
 from mla_hicache import build_mla_hicache
-
 from sglang.srt.managers.cache_controller import LayerDoneCounter
 from sglang.srt.mem_cache.dsa_cache_layer_split import LayerSplitDSATokenToKVPool
 from sglang.srt.mem_cache.hisparse_memory_pool import HiSparseDSATokenToKVPool
@@ -69,6 +62,12 @@ from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 from sglang.srt.mem_cache.page_interleave_pool import PageInterleaveDSATokenToKVPool
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.runtime_context import get_memory, get_parallel
+
+from dsa_async.errors import UnsupportedSettingError
+from dsa_async.host_memory.ledger import HostLedger
+from dsa_async.integrations import loop_thread
+from dsa_async.integrations.sglang import refusals, strategy
+from dsa_async.integrations.sglang.strategy import DsaAsyncStrategy
 
 OPT_IN = {"DSA_ASYNC_SGLANG": "1"}
 SERVICE_THREAD = "dsa-async-sglang"

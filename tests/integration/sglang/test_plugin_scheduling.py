@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from dsa_async.errors import TransferFailedError
+from dsa_async.front_door.service import ServiceState
 from dsa_async.integrations.sglang import strategy
 from dsa_async.kinds import Direction
-from dsa_async.service import ServiceState
 
 OPT_IN = {"DSA_ASYNC_SGLANG": "1"}
 WAIT_S = 20

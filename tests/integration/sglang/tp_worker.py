@@ -57,7 +57,6 @@ sys.path.insert(0, str(HERE))
 import cpu_shims  # noqa: E402,F401 - offline hub before transformers is imported
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-
 from dsa_hicache_harness import (  # noqa: E402
     CacheGroups,
     DsaHiCacheSettings,
@@ -115,7 +114,7 @@ def _service_threads() -> list[str]:
 def _own_ledger_entries() -> list[dict[str, Any]]:
     """This process's reservations in the machine-wide ledger (``$DSA_ASYNC_LEDGER``, which the
     test points at a directory of the two ranks' own; the other rank's come and go with it)."""
-    from dsa_async.ledger import HostLedger, default_ledger_directory
+    from dsa_async.host_memory.ledger import HostLedger, default_ledger_directory
 
     directory = default_ledger_directory()
     if not directory.exists():

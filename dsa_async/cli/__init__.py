@@ -1,0 +1,53 @@
+"""``dsa-async``: the command line. Each subcommand lives in its own module.
+
+A subcommand module exposes ``register(subparsers)``, which adds its parser and sets
+``func`` (parsed args -> exit code). To add one, import it and append it to ``_COMMANDS``.
+
+Exit codes: 0 success, 1 a runtime failure, 2 bad arguments or configuration, 3 the host pool
+does not fit (``plan``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from ..errors import ConfigError, DsaAsyncError
+from . import bench, plan, serve
+
+PROG = "dsa-async"
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+_COMMANDS = (plan, bench, serve)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="Host-memory offload service for DeepSeek-V3.2 sparse-attention serving."
+    )
+    subparsers = parser.add_subparsers(
+        title="commands", dest="command", required=True, metavar="COMMAND"
+    )
+    for command in _COMMANDS:
+        command.register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; return the exit code (console scripts pass it to ``sys.exit``)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse exits on --help (0) and on usage errors (2)
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    try:
+        return int(args.func(args))
+    except ConfigError as exc:
+        print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except DsaAsyncError as exc:
+        print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_FAILED

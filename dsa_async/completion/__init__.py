@@ -1,0 +1,1 @@
+"""Completion: the caller's handle on a request and what a finished request moved."""

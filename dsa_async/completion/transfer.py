@@ -1,0 +1,292 @@
+"""The caller's handle on one request (``Transfer``): awaiting it, its layers, cancelling it.
+
+A ``Transfer`` is what ``evict``/``prefetch`` return: awaitable for the whole result, with
+per-layer readiness (``await t.layer_ready(i)`` on the loop, ``t.wait_layer(i)`` from a
+forward-pass thread), ``cancel()`` and done callbacks. Cancelling a task that awaits a
+``Transfer`` cancels neither the copy nor other waiters; ``t.cancel()`` cancels the request.
+Threads without an event loop wait for the whole result with ``t.wait(timeout_s)`` or poll
+``t.done()`` and then read ``t.result()`` / ``t.exception()``; none of these goes through the
+loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import weakref
+from collections.abc import Callable, Generator
+from typing import TYPE_CHECKING, Protocol
+
+from ..errors import ServiceClosedError, TransferFailedError
+from ..host_memory.pool import HostPages
+from ..kinds import H2D, Direction, Timeliness
+from ..scheduling.request import WAITER_LOCK, Request, report_unobserved
+from .result import TransferResult
+
+if TYPE_CHECKING:
+    from ..transfer.batch import BatchHandle
+
+
+class Owner(Protocol):
+    """What a ``Transfer`` asks of the scheduler that owns its request (scheduler.py)."""
+
+    num_layers: int
+
+    def cancel(self, request: Request) -> bool: ...
+
+    def layer_future(self, request: Request, layer: int) -> asyncio.Future: ...
+
+    @property
+    def waits_on_device(self) -> bool: ...
+
+    def engine_wait_layer(self, handle: BatchHandle, layer: int, timeout_s: float | None,
+                          classify: Callable[[bool, float], None]) -> None: ...
+
+    def record_layers(self, timeliness: Timeliness, layers: int,
+                      waited_s: float | None = None) -> None: ...
+
+
+def _count_unseen_as_wasted(request: Request, record: Callable[[Timeliness, int], None]) -> None:
+    if request.direction is not H2D or request.future.cancelled():
+        return
+    seen = request.layer_seen
+    total = request.handle.num_layers if request.handle is not None else 0
+    unseen = total if seen is None else seen.count(0)
+    if unseen:
+        record(Timeliness.WASTED, unseen)
+
+
+class Transfer:
+    """The caller's handle on one request (see module docstring)."""
+
+    __slots__ = ("_request", "_scheduler", "__weakref__")
+
+    def __init__(self, request: Request, scheduler: Owner) -> None:
+        self._request = request
+        self._scheduler = scheduler
+        if request.direction is H2D:
+            weakref.finalize(self, _count_unseen_as_wasted, request, scheduler.record_layers)
+
+    @property
+    def direction(self) -> Direction:
+        return self._request.direction
+
+    @property
+    def num_pages(self) -> int:
+        return self._request.num_pages
+
+    @property
+    def host_pages(self) -> HostPages | None:
+        """Where an eviction backs its pages up; ``None`` until host pages are allocated."""
+        return self._request.host_handle
+
+    def done(self) -> bool:
+        return self._request.future.done()
+
+    def cancelled(self) -> bool:
+        return self._request.future.cancelled()
+
+    def cancel(self) -> bool:
+        """Cancel the request. Before its copy starts it is removed and its reservations return
+        at once; after that the copy completes first (data is never torn), then they return.
+        Returns ``False`` if it already finished. Loop thread only; does not block."""
+        return self._scheduler.cancel(self._request)
+
+    def add_done_callback(self, fn: Callable[[Transfer], None]) -> None:
+        """Call ``fn(self)`` on the loop when the request ends (done, failed or cancelled)."""
+        self._request.observed = True  # the callback sees the outcome
+        self._request.future.add_done_callback(lambda _f: fn(self))
+
+    def exception(self) -> BaseException | None:
+        """The error of a finished request, ``None`` if it succeeded (as ``Future.exception``)."""
+        self._request.observed = True
+        return self._request.future.exception()
+
+    def result(self) -> TransferResult:
+        """The result of a finished request (raises as ``Future.result`` does)."""
+        self._request.observed = True
+        return self._request.future.result()
+
+    def wait(self, timeout_s: float | None = None) -> TransferResult:
+        """From a thread without an event loop: block that thread until the request ends, then
+        return its result or raise its error (``asyncio.CancelledError`` if it was cancelled).
+
+        The wait does not go through the loop: the loop sets a ``threading.Event`` when the
+        request ends, made only if a thread waits. Past ``timeout_s`` (``None``: no bound),
+        ``TimeoutError``; the request keeps running. Refused (``RuntimeError``) on a thread
+        that runs an event loop, which it would block: there, ``await`` the transfer.
+        """
+        request = self._request
+        _check_timeout(timeout_s)
+        if not request.future.done():
+            if _runs_a_loop():
+                raise RuntimeError("Transfer.wait() blocks its thread, and this thread runs an "
+                                   "event loop: await the transfer instead")
+            if not request.wait_ended(timeout_s):
+                raise TimeoutError(f"the {request.direction.value} of {request.num_pages} "
+                                   f"pages did not end within {timeout_s} s (it keeps running)")
+        return self.result()
+
+    def __del__(self) -> None:
+        # A failed transfer nobody looked at is reported once, by the service's logger (the
+        # service's own futures never reach asyncio's "exception was never retrieved").
+        request = self._request
+        if request.observed:
+            return
+        future = request.future
+        if not future.done():
+            request.dropped = True  # reported when it ends, if it fails (Request.report_failure)
+        elif not future.cancelled():
+            error = future.exception()
+            if error is not None:
+                report_unobserved(request, error)
+
+    def __await__(self) -> Generator[object, None, TransferResult]:
+        request = self._request
+        request.observed = True
+        future = request.future
+        prefetch = request.direction is H2D
+        if not future.done():
+            # A waiter of our own, resolved when the request ends: cancelling this task
+            # cancels only the waiter, never the request or other waiters (like shield(),
+            # without its extra loop hop).
+            waiter = future.get_loop().create_future()
+            if request.waiters is None:
+                request.waiters = [waiter]
+            else:
+                request.waiters.append(waiter)
+            waited_from = time.perf_counter()
+            try:
+                yield from waiter
+            finally:
+                request.waiters.remove(waiter)
+                if prefetch:
+                    self._classify_all(time.perf_counter() - waited_from)
+        elif prefetch:
+            self._classify_all(0.0)
+        return future.result()
+
+    # --- per-layer readiness ---------------------------------------------------------------
+
+    async def layer_ready(self, layer: int) -> None:
+        """Wait on the loop until ``layer`` of this prefetch is usable. Never blocks the loop."""
+        request = self._request
+        self._check_layer(layer)
+        handle = request.handle
+        if handle is not None and layer < handle.layers_ready:
+            self._classify(layer, 0.0)
+            return
+        if request.future.done() and request.handle is None:
+            request.observed = True
+            request.future.result()  # raises: failed or cancelled before its copy started
+        waited_from = time.perf_counter()
+        try:
+            # shield: cancelling this task must not cancel the service's layer future
+            await asyncio.shield(self._scheduler.layer_future(request, layer))
+        except TransferFailedError:
+            request.observed = True
+            raise
+        self._classify(layer, time.perf_counter() - waited_from)
+
+    def wait_layer(self, layer: int, timeout_s: float | None = None) -> None:
+        """From a forward-pass thread: wait until ``layer`` is usable by that thread's work.
+
+        CPU backend: blocks the calling thread until the layer is copied. CUDA backend: blocks
+        only until the layer's copy is enqueued, then makes the caller's current stream wait on
+        the layer's event (no CPU block on the copy). ``timeout_s`` bounds the whole wait
+        (until the copy is submitted, and then until the layer is copied or enqueued): past
+        it, ``TimeoutError``, and the transfer keeps running. Never call it on the event-loop
+        thread.
+        """
+        request = self._request
+        self._check_layer(layer)
+        _check_timeout(timeout_s)
+        waited_from = time.perf_counter()
+        started = request.started
+        if not started and not request.wait_started(timeout_s):
+            raise TimeoutError(f"layer {layer}: the prefetch's copy did not start within "
+                               f"{timeout_s} s (it stays queued)")
+        handle = request.handle
+        if handle is None:
+            request.observed = True
+            raise ServiceClosedError("the prefetch ended before its copy started "
+                                     "(cancelled, failed or the service closed)")
+        start_wait_s = 0.0 if started else time.perf_counter() - waited_from
+        if layer < handle.layers_ready:  # already copied (on CUDA: its event completed)
+            self._classify(layer, start_wait_s)
+            return
+        remaining_s = None if timeout_s is None else max(0.0, timeout_s - start_wait_s)
+        # CPU: this thread waited if it blocked at all, for the start or the copy. CUDA: only
+        # the consumer's stream waiting counts, and the device decides (not this thread).
+        host_wait_s = 0.0 if self._scheduler.waits_on_device else start_wait_s
+
+        def classify(late: bool, waited_s: float) -> None:
+            self._classify(layer, host_wait_s + waited_s if late else host_wait_s)
+
+        try:
+            self._scheduler.engine_wait_layer(handle, layer, remaining_s, classify)
+        except TimeoutError:
+            raise TimeoutError(f"layer {layer} was not ready within {timeout_s} s (the "
+                               f"prefetch keeps running)") from None
+        except TransferFailedError:
+            request.observed = True
+            raise
+
+    def _check_layer(self, layer: int) -> None:
+        if self._request.direction is not H2D:
+            raise TypeError("per-layer readiness belongs to prefetches; await the eviction")
+        layers = self._scheduler.num_layers
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < layers:
+            raise ValueError(f"layer {layer!r} is out of range: this service has {layers} "
+                             f"layers (0..{layers - 1})")
+
+    def _classify(self, layer: int, waited_s: float) -> None:
+        """Count ``layer`` once as on time or late. Any thread (metrics are thread-safe)."""
+        request = self._request
+        with WAITER_LOCK:
+            if request.layer_seen is None:
+                request.layer_seen = bytearray(self._scheduler.num_layers)
+            if request.layer_seen[layer]:
+                return
+            request.layer_seen[layer] = 1
+        if waited_s > 0.0:
+            self._scheduler.record_layers(Timeliness.LATE, 1, waited_s)
+        else:
+            self._scheduler.record_layers(Timeliness.ON_TIME, 1)
+
+    def _classify_all(self, waited_s: float) -> None:
+        request = self._request
+        future = request.future
+        if not future.done() or future.cancelled() or future.exception() is not None:
+            return
+        with WAITER_LOCK:
+            seen = request.layer_seen
+            if seen is None:
+                seen = request.layer_seen = bytearray(self._scheduler.num_layers)
+            unseen = seen.count(0)
+            seen[:] = b"\x01" * len(seen)
+        if not unseen:
+            return
+        if waited_s > 0.0:
+            self._scheduler.record_layers(Timeliness.LATE, unseen, waited_s)
+        else:
+            self._scheduler.record_layers(Timeliness.ON_TIME, unseen)
+
+    def __repr__(self) -> str:
+        r = self._request
+        return (f"Transfer({r.direction.value}, pages={r.num_pages}, state={r.state.value}, "
+                f"done={r.future.done()})")
+
+
+def _runs_a_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+def _check_timeout(timeout_s: object) -> None:
+    if timeout_s is not None and not (isinstance(timeout_s, (int, float))
+                                      and not isinstance(timeout_s, bool) and timeout_s >= 0):
+        raise ValueError(f"timeout_s must be a number of seconds >= 0 or None, got {timeout_s!r}")

@@ -1,0 +1,1 @@
+"""The front door: requests in (OffloadService, after= producers, thread submissions)."""

@@ -1,0 +1,158 @@
+"""The hand-off from threads without an event loop (a server's scheduler or forward-pass
+threads) to the service's loop.
+
+Such a thread prepares each request itself, on its own thread (validation, padding, capture of
+its default producer: every error raises there), then posts it here; host-page releases are
+posted the same way. The loop takes what was posted in batches: at most one
+``call_soon_threadsafe`` wake-up is pending at a time, however many threads post how many
+items, so a burst of submissions costs the loop one wake-up, not one per request. Items are
+taken in post order, so one thread's requests are accepted in the order it submitted them.
+
+Ordering against the loop: a drain that takes an item is in the loop's ready queue before the
+``post`` that made it returns, so every callback the posting thread schedules on the loop
+afterwards (``call_soon_threadsafe``, a finished ``asyncio.to_thread`` or executor future,
+``call_threadsafe``) runs after the item was taken.
+
+Once :meth:`ThreadInbox.close` ran (the service is closing), ``post`` raises
+``ServiceClosedError`` in the posting thread; what was posted before was taken by ``close``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import enum
+import threading
+from collections.abc import Callable
+
+from ..errors import ServiceClosedError, UnknownHostPagesError
+from ..host_memory.pool import HostPages
+from ..scheduling.request import Request
+
+
+class HostCheck(enum.Enum):
+    """What the loop checks about a posted request's host pages before accepting it: the pool
+    belongs to the loop, and these checks read structures the loop changes."""
+
+    NONE = "none"  #: service-chosen host pages: nothing to check
+    ALLOCATED = "allocated"  #: ``host_tokens=``: every page lies in a live allocation
+    HANDLE = "handle"  #: a ``HostPages`` handle: still the caller's (not released meanwhile)
+
+
+class PostedRequest:
+    """A request prepared on a thread, waiting to be accepted on the loop."""
+
+    __slots__ = ("request", "loop_producers", "host_check", "handle")
+
+    def __init__(self, request: Request, loop_producers: tuple[object, ...],
+                 host_check: HostCheck, handle: HostPages | None = None) -> None:
+        self.request = request
+        self.loop_producers = loop_producers  #: asyncio futures / events, watched on the loop
+        self.host_check = host_check
+        self.handle = handle  #: the prefetch's handle, for ``HostCheck.HANDLE``
+
+
+class ThreadInbox:
+    """Posted requests and releases, taken on the loop in post order, in batches.
+
+    ``accept(posted)`` and ``take_release(handle)`` run on the loop thread; neither should
+    raise (a request that cannot be accepted is ended, failed or cancelled, by ``accept``); an
+    exception is reported to the loop's exception handler and the next item is taken.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop,
+                 accept: Callable[[PostedRequest], None],
+                 take_release: Callable[[HostPages], None]) -> None:
+        self._loop = loop
+        self._accept = accept
+        self._take_release = take_release
+        self._items: collections.deque[PostedRequest | HostPages] = collections.deque()
+        self._lock = threading.Lock()  # posters only (and close): never held by a drain
+        self._scheduled = False  # a drain is in the loop's ready queue
+        self._closed = False
+        self._releasing: set[int] = set()  # allocation ids posted for release, not taken yet
+        #: ``call_soon_threadsafe`` wake-ups used so far (one per batch; tests and the bench)
+        self.wakeups = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    # --- any thread -----------------------------------------------------------------------
+
+    def post(self, posted: PostedRequest) -> None:
+        """Hand ``posted`` to the loop. Never blocks (a short lock); raises
+        ``ServiceClosedError`` once the inbox is closed, handing nothing over."""
+        with self._lock:
+            self._append(posted)
+
+    def post_release(self, handle: HostPages, check: Callable[[HostPages], None]) -> None:
+        """Hand the release of ``handle`` to the loop, after ``check(handle)`` (which raises
+        for a handle that is not the caller's). A handle can be posted for release once only:
+        posting threads check and post under the lock; the loop takes a release (the handle
+        stops being the caller's) before it forgets the posting, and a poster looks at the
+        postings before it checks the handle, so it always sees one or the other."""
+        with self._lock:
+            self._check_open()  # first: once closing, the pool may be gone
+            if handle.allocation_id in self._releasing:
+                raise UnknownHostPagesError(
+                    f"{handle!r} was already released (from a thread; its pages return to the "
+                    f"pool once no copy uses them); release each handle once")
+            check(handle)
+            self._append(handle)
+            self._releasing.add(handle.allocation_id)
+
+    def release_posted(self, handle: HostPages) -> bool:
+        """Whether the release of ``handle`` was posted and not taken yet (one set lookup)."""
+        return handle.allocation_id in self._releasing
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ServiceClosedError("the service is closing or closed; it takes no more "
+                                     "requests or releases from threads")
+
+    def _append(self, item: PostedRequest | HostPages) -> None:
+        """With the lock held."""
+        self._check_open()
+        self._items.append(item)
+        if self._scheduled:
+            return
+        try:
+            self._loop.call_soon_threadsafe(self.drain)
+        except RuntimeError:  # the loop is closed: nobody is left to take it
+            self._items.pop()
+            raise ServiceClosedError("the service's event loop is closed") from None
+        self._scheduled = True
+        self.wakeups += 1
+
+    # --- loop thread ----------------------------------------------------------------------
+
+    def drain(self) -> None:
+        """Take everything posted so far, in post order. Loop thread.
+
+        The loop never takes the lock here: a poster that had to wait for it would give up the
+        interpreter lock, and the two threads could then trade both locks once per item. A
+        poster appends before it reads the flag, and the flag is cleared before anything is
+        taken, so every item is taken by this drain or by the one its poster schedules."""
+        self._scheduled = False
+        items = self._items
+        while items:
+            item = items.popleft()
+            try:
+                if type(item) is PostedRequest:
+                    self._accept(item)
+                else:
+                    try:
+                        self._take_release(item)
+                    finally:  # after taking it: see post_release
+                        self._releasing.discard(item.allocation_id)
+            except Exception as exc:  # noqa: BLE001 - one broken item must not strand the rest
+                self._loop.call_exception_handler({
+                    "message": f"dsa_async: taking {item!r} posted from a thread raised",
+                    "exception": exc,
+                })
+
+    def close(self) -> None:
+        """Refuse further posts, then take what was posted. Loop thread."""
+        with self._lock:
+            self._closed = True
+        self.drain()

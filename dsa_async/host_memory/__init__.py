@@ -1,0 +1,1 @@
+"""Host memory: the budget, the machine-wide ledger, pool sizing, arenas and extents."""

@@ -1,0 +1,1 @@
+"""Observability: Prometheus metrics, their exposition and event-loop lag."""

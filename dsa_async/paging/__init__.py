@@ -1,0 +1,1 @@
+"""Tokens to whole pages: validation, padding, pairing and page runs."""

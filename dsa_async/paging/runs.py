@@ -1,0 +1,134 @@
+"""Page arrays: runs, distinct pages, and the per-request form of a request's pages.
+
+A request of a few pages is where the service spends its time per request, and numpy costs a
+microsecond or two per call on arrays that small. So a request's pages are kept as a Python
+``range`` when they are one ascending run (the common case) or a ``list[int]`` (``PageSeq``),
+and the scheduler builds one numpy array per copy batch (:func:`concat_pages`), not per
+request. The copy planners coalesce page pairs into runs ``(src_start, dst_start,
+length_pages)`` where both sides advance together (:func:`page_runs`).
+
+Everything here is a pure, vectorized (numpy), non-blocking, thread-safe primitive on pages
+that are already valid; turning a request's tokens into pages is :mod:`.tokens`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import chain
+
+import numpy as np
+
+#: Pages of one request, in request order, each page once.
+PageSeq = range | list[int]
+
+#: A request's pages when it has none.
+NO_PAGES = range(0)
+
+#: Up to this many values, one arange and a byte compare is the cheapest run check; beyond it,
+#: copying the values costs more than comparing neighbours in place.
+_SMALL_RUN = 512
+
+
+def is_run(values: np.ndarray) -> bool:
+    """Whether a non-empty integer array is one ascending run ``first, first + 1, ..., last``."""
+    n = values.size
+    first = values.item(0)
+    if values.item(-1) - first != n - 1:
+        return False
+    if n <= _SMALL_RUN and values.dtype == np.int64:
+        return n == 1 or np.arange(first, first + n, dtype=np.int64).tobytes() == values.tobytes()
+    # Strictly increasing integers spanning exactly n - 1 are consecutive.
+    return n == 1 or bool((values[1:] > values[:-1]).all())
+
+
+def unique_in_order(values: np.ndarray) -> np.ndarray:
+    """Distinct values of a 1-D array in the order they first appear."""
+    if values.size <= 1:
+        return values.copy()
+    steps = values[1:] - values[:-1]
+    if (steps >= 0).all():  # sorted: drop repeats without a sort
+        keep = np.empty(values.size, dtype=bool)
+        keep[0] = True
+        np.not_equal(steps, 0, out=keep[1:])
+        return values[keep]
+    _, first = np.unique(values, return_index=True)
+    return values[np.sort(first)]
+
+
+def count_distinct(values: np.ndarray) -> int:
+    """How many distinct values a 1-D integer array holds."""
+    if values.size <= 1:
+        return int(values.size)
+    steps = values[1:] - values[:-1]
+    if (steps >= 0).all():
+        return int(np.count_nonzero(steps)) + 1
+    return int(np.unique(values).size)
+
+
+#: Up to this many bound pages per requested page, "each page once" is checked with a map of
+#: the side's pages (a few us); beyond it, with a sort of the request's pages.
+_MAP_PAGES_PER_PAGE = 64
+
+
+def distinct(pages: np.ndarray, bound_pages: int | None = None) -> bool:
+    """Whether a 1-D integer array holds no value twice. ``bound_pages``: every value is known
+    to lie in ``[0, bound_pages)`` (then a map of that size may be used instead of a sort)."""
+    n = pages.size
+    if n <= 1:
+        return True
+    if bound_pages is not None and bound_pages <= _MAP_PAGES_PER_PAGE * n:
+        seen = np.zeros(bound_pages, dtype=np.bool_)
+        seen[pages] = True
+        return int(np.count_nonzero(seen)) == n
+    ordered = np.sort(pages)
+    return not np.count_nonzero(ordered[1:] == ordered[:-1])
+
+
+def compact(pages: np.ndarray) -> PageSeq:
+    """Distinct pages (``int64 [n]``) as a ``range`` if they are one ascending run, else a list."""
+    n = pages.size
+    if n == 0:
+        return NO_PAGES
+    if is_run(pages):
+        first = pages.item(0)
+        return range(first, first + n)
+    return pages.tolist()
+
+
+def concat_pages(seqs: Sequence[PageSeq], count: int) -> np.ndarray:
+    """One ``int64 [count]`` array of the pages of ``seqs``, in order (one per copy batch)."""
+    if len(seqs) == 1 and type(seqs[0]) is range:  # a batch of one request
+        return np.arange(seqs[0].start, seqs[0].stop, dtype=np.int64)
+    return np.fromiter(chain.from_iterable(seqs), dtype=np.int64, count=count)
+
+
+def page_runs(src_pages: np.ndarray, dst_pages: np.ndarray) -> np.ndarray:
+    """Coalesce page pairs into runs where both sides advance together.
+
+    Returns ``int64 [n_runs, 3]`` rows ``(src_start, dst_start, length_pages)``; expanding the
+    rows reproduces the pairs exactly, in order.
+    """
+    n = src_pages.size
+    assert dst_pages.size == n, "page_runs needs pairs"
+    if n == 0:
+        return np.zeros((0, 3), dtype=np.int64)
+    breaks = np.ones(n, dtype=bool)
+    breaks[1:] = (np.diff(src_pages) != 1) | (np.diff(dst_pages) != 1)
+    starts = np.flatnonzero(breaks)
+    lengths = np.diff(np.append(starts, n))
+    return np.stack([src_pages[starts], dst_pages[starts], lengths], axis=1).astype(np.int64)
+
+
+def expand_runs(runs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Inverse of :func:`page_runs`: the ``(src_pages, dst_pages)`` the runs stand for."""
+    if runs.size == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty.copy()
+    lengths = runs[:, 2]
+    offsets = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return np.repeat(runs[:, 0], lengths) + offsets, np.repeat(runs[:, 1], lengths) + offsets
+
+
+def page_tokens(pages: np.ndarray, page_size_tokens: int) -> np.ndarray:
+    """All token indices of ``pages`` (``int64 [n_pages * page_size_tokens]``), page by page."""
+    return (pages[:, None] * page_size_tokens + np.arange(page_size_tokens)).reshape(-1)

@@ -1,0 +1,1 @@
+"""Scheduling: queues, batching, backpressure and the happens-before rules."""

@@ -1,0 +1,608 @@
+"""The asyncio core: admission, per-tick batching, backpressure, hazards, completion.
+
+Everything here runs on the event-loop thread and never blocks: requests are queued, one flush
+per loop tick packs the ready ones into as few engine batches as possible (prefetches first,
+by deadline then priority, so backups never starve loads), within the in-flight byte bound of
+each direction. Completions arrive through the engine's hand-off and resolve the futures.
+Every path that ends a request goes through :meth:`Scheduler.finish`, which returns what the
+request held: its page-state entries (which also keep its host pages from being released),
+host pages it allocated (unless it succeeded), in-flight bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import math
+import time
+from collections.abc import Callable
+
+from ..completion.result import TransferResult
+from ..config import ServiceConfig
+from ..errors import (
+    HostPoolExhausted,
+    ServiceClosedError,
+    TransferFailedError,
+    UnknownHostPagesError,
+)
+from ..host_memory.pool import HostPages, HostPool
+from ..kinds import CANCELLED, D2H, DONE, FAILED, H2D, Direction, Outcome, Timeliness
+from ..observability.metrics import ServiceMetrics
+from ..paging.runs import concat_pages
+from ..transfer.base import TransferEngine
+from ..transfer.batch import BatchHandle, CopyBatch, Dependency
+from .hazards import HazardTable
+from .liveness import check_liveness
+from .loop_producers import LoopProducerWatches
+from .request import FINISHED, QUEUED, SUBMITTED, Request, report_unobserved
+
+log = logging.getLogger("dsa_async.scheduler")  # the logger name operators configure
+
+HostPressureCallback = Callable[[int], object]
+
+#: State gauges are refreshed at most this often on the hot path (scrapes are seconds apart).
+PUBLISH_PERIOD_S = 0.05
+
+
+def _services_own(handle: HostPages) -> UnknownHostPagesError:
+    return UnknownHostPagesError(
+        f"{handle!r} holds host pages the service frees itself once no copy uses them (an "
+        f"eviction it placed that was cancelled or failed, or pages already released while "
+        f"copies used them): drop the handle instead of releasing it")
+
+
+class Scheduler:
+    def __init__(self, config: ServiceConfig, pool: HostPool, engine: TransferEngine,
+                 metrics: ServiceMetrics, loop: asyncio.AbstractEventLoop,
+                 on_host_pressure: HostPressureCallback | None) -> None:
+        self.config = config
+        self.pool = pool
+        self.engine = engine
+        self.metrics = metrics
+        self.loop = loop
+        self.on_host_pressure = on_host_pressure
+        self.num_layers = config.num_layers
+        self.bytes_per_page = pool.bytes_per_page
+        self.bytes_per_token = sum(g.bytes_per_token for g in config.geometries)
+        self.max_inflight_bytes = {D2H: config.max_inflight_bytes_d2h,
+                                   H2D: config.max_inflight_bytes_h2d}
+        self.queues: dict[Direction, list[Request]] = {d: [] for d in Direction}
+        self._queue_sorted = {d: True for d in Direction}  # appended in order: no sort needed
+        self.inflight_bytes = {d: 0 for d in Direction}
+        self.inflight_requests = 0
+        self.hazards = HazardTable(pool.capacity_pages)
+        self._batches: dict[BatchHandle, list[Request]] = {}
+        self._host_wait_since: dict[Request, float] = {}
+        self._pending_layers: dict[Request, list[tuple[int, asyncio.Future]]] = {}
+        #: requests held on the loop until their asyncio producers end
+        self._loop_watches = LoopProducerWatches(self.schedule_flush, self._fail_for_producer)
+        self._orphans: list = []  # host pages to free once the copies still reading them end
+        self._orphan_ids: set[int] = set()  # their allocation ids: not the caller's to release
+        self._pressure_tasks: set[asyncio.Task] = set()
+        self._flush_handle: asyncio.Handle | None = None
+        self._expiry_handle: asyncio.TimerHandle | None = None
+        self._published_at = -math.inf
+        self._publish_handle: asyncio.TimerHandle | None = None
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    # --- admission ------------------------------------------------------------------------
+
+    @property
+    def queued_requests(self) -> int:
+        return len(self.queues[D2H]) + len(self.queues[H2D])
+
+    def accept(self, request: Request, loop_producers: tuple[object, ...] = ()) -> None:
+        """Queue an admitted request (validated by the service). Does not block.
+
+        ``loop_producers`` (asyncio futures and events, see producers.py) keep it queued until
+        each has finished; one that fails or is cancelled fails the request."""
+        self.hazards.admit(request)  # also marks its host pages in use until it ends
+        queue = self.queues[request.direction]
+        if queue and request.goes_before(queue[-1]):
+            self._queue_sorted[request.direction] = False
+        queue.append(request)
+        self._idle.clear()
+        if loop_producers:
+            self._loop_watches.watch(request, loop_producers)  # may end it (a failed one)
+        self.schedule_flush()  # the flush also publishes the queue depth
+
+    def schedule_flush(self) -> None:
+        if self._flush_handle is None:
+            self._flush_handle = self.loop.call_soon(self._flush)
+
+    @property
+    def flush_pending(self) -> bool:
+        """A pass over the queues is scheduled (it runs at the loop's next turn)."""
+        return self._flush_handle is not None
+
+    def waits_for_host_pages(self, request: Request) -> bool:
+        """``request`` waits for free host pages and its deadline timer is armed."""
+        return request in self._host_wait_since and self._expiry_handle is not None
+
+    def check_liveness(self) -> None:
+        """Raise ``LivenessViolation`` if a queued request waits on nothing that ends by
+        itself (see liveness.py). Reads state only; loop thread."""
+        check_liveness(self)
+
+    # --- batching -------------------------------------------------------------------------
+
+    def _flush(self) -> None:
+        self._flush_handle = None
+        queues = self.queues
+        progress = True
+        while progress:  # a submitted backup can make a queued prefetch ready
+            progress = False
+            for direction in (H2D, D2H):
+                chosen = self._take_ready(direction)
+                if chosen:
+                    self._submit(direction, chosen)
+                    progress = bool(queues[H2D] or queues[D2H])  # else nothing is left to try
+        self.publish_state()
+
+    def _take_ready(self, direction: Direction) -> list[Request]:
+        queue = self.queues[direction]
+        if not queue:
+            return []
+        if not self._queue_sorted[direction]:
+            queue.sort(key=Request.sort_key)
+            self._queue_sorted[direction] = True
+        room = self.max_inflight_bytes[direction] - self.inflight_bytes[direction]
+        busy = self.inflight_bytes[direction] > 0
+        chosen: list[Request] = []
+        kept: list[Request] = []
+        pages_needed = 0
+        full = False
+        # Backups into service-chosen host pages: how many pages the rest of the queue asks
+        # for, so the pool can take one run for all of them (see HostPool.allocate).
+        fresh_left = (sum(r.num_pages for r in queue if r.host_pages is None)
+                      if direction is D2H else 0)
+        try:
+            for request in queue:
+                fresh = request.host_pages is None
+                if fresh:
+                    fresh_left -= request.num_pages
+                if full or request.loop_waits:
+                    kept.append(request)
+                    continue
+                if request.deps:
+                    if any(dep.state is QUEUED for dep, _ in request.deps):
+                        kept.append(request)
+                        continue
+                    failed = self._failed_data_dependency(request)
+                    if failed is not None:
+                        self.finish(request, FAILED, error=failed)
+                        continue
+                if request.nbytes > room and (busy or chosen):
+                    full = True  # backpressure: wait for in-flight bytes to drain, keep order
+                    kept.append(request)
+                    continue
+                if fresh:
+                    ahead = min(fresh_left, max(0, (room - request.nbytes) // self.bytes_per_page))
+                    if not self._allocate_host(request, ahead):
+                        pages_needed += request.num_pages
+                        kept.append(request)
+                        continue
+                chosen.append(request)
+                room -= request.nbytes
+        finally:
+            self.pool.end_batch()
+        self.queues[direction] = kept
+        if pages_needed:
+            self._ask_for_host_pages(pages_needed)
+        return chosen
+
+    @staticmethod
+    def _failed_data_dependency(request: Request) -> BaseException | None:
+        """The error of a finished request this one needs (its backup, or its ``after=``)."""
+        for dep, needs_data in request.deps:
+            if needs_data and dep.state is FINISHED and (
+                dep.future.cancelled() or dep.future.exception() is not None
+            ):
+                error = TransferFailedError(
+                    f"request {dep.seq} ({dep.direction.value}), which this "
+                    f"{request.direction.value} of {request.num_pages} pages needs (the backup "
+                    f"whose host pages it reads, or a Transfer named in after=), "
+                    f"{'was cancelled' if dep.future.cancelled() else 'failed'}; it did not run")
+                if not dep.future.cancelled():
+                    error.__cause__ = dep.future.exception()
+                return error
+        return None
+
+    def _allocate_host(self, request: Request, ahead_pages: int) -> bool:
+        handle = self.pool.allocate(request.num_pages, ahead_pages=ahead_pages)
+        if handle is None:
+            if request not in self._host_wait_since:
+                self._host_wait_since[request] = self.loop.time()
+                self._arm_expiry()
+            return False
+        if self._host_wait_since:
+            self._host_wait_since.pop(request, None)
+        request.host_handle = handle
+        request.host_pages = handle.page_seq
+        self.hazards.register_fresh_host_writes(request)
+        return True
+
+    def _submit(self, direction: Direction, requests: list[Request]) -> None:
+        """Hand ``requests`` to the engine: one batch for all of them, except that a request
+        whose waits can fail (a producer the engine may fail to wait for, or a running request
+        it needs) or whose device indices the engine reads (and may refuse) gets a batch of
+        its own, so that it fails alone."""
+        solo_producers = self.engine.producer_waits_can_fail
+        shared: list[Request] = []
+        for request in requests:
+            if (request.after and solo_producers) or request.device_indices is not None or (
+                    request.deps and any(needs_data and dep.state is SUBMITTED
+                                         for dep, needs_data in request.deps)):
+                self._submit_batch(direction, [request])
+            else:
+                shared.append(request)
+        if shared:
+            self._submit_batch(direction, shared)
+
+    def _submit_batch(self, direction: Direction, requests: list[Request]) -> None:
+        deps: dict[BatchHandle, bool] = {}
+        after: list[object] = []
+        offset = 0
+        for request in requests:
+            request.batch_index = offset
+            offset += request.num_pages
+            for dep, needs_data in request.deps:
+                if dep.state is SUBMITTED and dep.handle is not None:
+                    deps[dep.handle] = deps.get(dep.handle, False) or needs_data
+            if request.after:
+                after.extend(request.after)
+        batch = CopyBatch(
+            direction,
+            concat_pages([r.host_pages for r in requests], offset),
+            concat_pages([r.device_pages for r in requests], offset),
+            deps=tuple(Dependency(h, n) for h, n in deps.items()),
+            after=tuple(after),
+            device_indices=requests[0].device_indices,  # such a request is alone in its batch
+        )
+        handle = self.engine.submit(batch)
+        self._batches[handle] = requests
+        nbytes = 0
+        pending_layers = self._pending_layers
+        for request in requests:
+            request.handle = handle
+            request.state = SUBMITTED
+            request.mark_started()
+            nbytes += request.nbytes
+            if pending_layers:
+                for layer, future in pending_layers.pop(request, ()):
+                    self._watch_layer(handle, layer, future)
+        self.inflight_bytes[direction] += nbytes  # the gauge follows in publish_state()
+        self.inflight_requests += len(requests)
+
+    # --- completion -----------------------------------------------------------------------
+
+    def on_batch_done(self, handle: BatchHandle) -> None:
+        """Engine completion (on the loop, via the hand-off): end every request of the batch,
+        returning what they held and recording their metrics once for the batch."""
+        requests = self._batches.pop(handle)
+        direction = handle.batch.direction
+        error = handle.error
+        if error is None:
+            self.metrics.record_batch(direction, bytes_moved=handle.batch.num_pages *
+                                      self.bytes_per_page, pages_moved=handle.batch.num_pages,
+                                      duration_s=handle.duration_s)
+        else:
+            self.metrics.record_batch_error(direction)
+        now = time.perf_counter()
+        ended: dict[Outcome, tuple[list[float], list[int]]] = {}
+        nbytes, duration_s, eviction = 0, handle.duration_s, direction is D2H
+        for request in requests:
+            nbytes += request.nbytes
+            if request.cancel_requested:
+                outcome, result, failure = CANCELLED, None, None
+            elif error is not None:
+                outcome, result = FAILED, None
+                failure = TransferFailedError(
+                    f"{direction.value} copy of {request.num_pages} pages failed: {error!r}")
+                failure.__cause__ = error
+            else:
+                outcome, failure = DONE, None
+                result = TransferResult(
+                    direction, request.num_pages, request.nbytes, request.padding_tokens,
+                    duration_s, request.host_handle if eviction else None)
+            figures = ended.get(outcome)
+            if figures is None:
+                figures = ended[outcome] = ([], [])
+            figures[0].append(now - request.submitted_at)
+            figures[1].append(request.padding_tokens)
+            self._end(request, outcome, result, failure, check_idle=False)
+        self._check_idle()
+        self.inflight_bytes[direction] -= nbytes
+        self.inflight_requests -= len(requests)
+        for outcome, (latencies, paddings) in ended.items():
+            self.metrics.record_requests(direction, outcome, latencies,
+                                         sum(paddings) * self.bytes_per_token)
+        self._free_orphans()
+        self.schedule_flush()  # publishes the pool gauges once for the whole batch
+
+    def finish(self, request: Request, outcome: Outcome, *, result: TransferResult | None = None,
+               error: BaseException | None = None) -> None:
+        """End a request that is not in a batch (queued, or never queued): once, returning
+        everything it held, then resolve its future."""
+        self.metrics.record_request(
+            request.direction, outcome, latency_s=time.perf_counter() - request.submitted_at,
+            padding_bytes=request.padding_tokens * self.bytes_per_token)
+        self._end(request, outcome, result, error)
+
+    def _end(self, request: Request, outcome: Outcome, result: TransferResult | None,
+             error: BaseException | None, *, check_idle: bool = True) -> None:
+        assert request.state is not FINISHED
+        if request.state is QUEUED:
+            self.queues[request.direction] = [r for r in self.queues[request.direction]
+                                              if r is not request]
+        request.state = FINISHED
+        if self._host_wait_since:
+            self._host_wait_since.pop(request, None)
+        self.hazards.retire(request)  # its host pages may be released again
+        if request.owns_host and outcome is not DONE and request.host_handle is not None:
+            # The service chose these pages and the backup did not end done: they are the
+            # service's to free (never the caller's), once no copy reads them.
+            self._orphans.append(request.host_handle)
+            self._orphan_ids.add(request.host_handle.allocation_id)
+        if self._orphans:  # this request may have been the last reader of orphaned pages
+            self._free_orphans()
+        future = request.future
+        if outcome is DONE:
+            future.set_result(result)
+        elif outcome is FAILED:
+            future.set_exception(error)
+            # The service's own future: whether the caller looked is tracked by its Transfer,
+            # never by asyncio's "exception was never retrieved" at collection time.
+            future.exception()
+            if request.dropped:
+                report_unobserved(request, error)
+        else:
+            future.cancel()
+        if self._loop_watches:
+            self._loop_watches.stop(request)
+        if request.waiters:
+            for waiter in request.waiters:
+                if not waiter.done():
+                    waiter.set_result(None)  # the awaiting task reads request.future itself
+        if not request.started or request.end_waiter is not None:
+            request.mark_ended()  # wake threads waiting for its start or its end
+        if self._pending_layers:
+            for _layer, layer_future in self._pending_layers.pop(request, ()):
+                if not layer_future.done():
+                    if error is None:
+                        layer_future.cancel()
+                    else:
+                        layer_future.set_exception(error)
+                        layer_future.exception()  # its awaiter may have been cancelled
+        if check_idle:
+            self._check_idle()
+        # Whatever waited for this request (a dependency, its pages) may go now; also when it
+        # ended inside a flush pass that chose nothing else (that pass made progress too).
+        if self._flush_handle is None:
+            self._flush_handle = self.loop.call_soon(self._flush)
+
+    def _check_idle(self) -> None:
+        if not self._batches and not self.queues[D2H] and not self.queues[H2D]:
+            self._idle.set()
+
+    def release_host(self, handle: HostPages) -> None:
+        """Return ``handle``'s pages to the pool now; refuses (changing nothing) while a queued
+        or running copy reads or writes any of them. Does not block."""
+        if handle.allocation_id in self._orphan_ids:
+            raise _services_own(handle)
+        self.pool.release(handle, self.hazards.host_pages_busy)
+
+    def release_host_when_unused(self, handle: HostPages) -> None:
+        """Return ``handle``'s pages now, or once the last queued or running copy that uses
+        them ends; until then they are the service's (``release_host`` refuses the handle).
+        Raises ``UnknownHostPagesError`` for a handle that is not the caller's. Loop thread."""
+        self.check_releasable(handle)
+        self._orphans.append(handle)
+        self._orphan_ids.add(handle.allocation_id)
+        self._free_orphans()
+
+    def check_releasable(self, handle: HostPages) -> None:
+        """Raise ``UnknownHostPagesError`` unless ``handle`` is a live allocation that the
+        caller (not the service) holds. Changes nothing; safe on any thread (a set and a dict
+        lookup)."""
+        if handle.allocation_id in self._orphan_ids:
+            raise _services_own(handle)
+        self.pool.check_owned(handle)
+
+    def _free_orphans(self) -> None:
+        if not self._orphans:
+            return
+        still = []
+        for handle in self._orphans:
+            if self.hazards.host_pages_busy(handle.page_seq):
+                still.append(handle)
+            else:
+                self._orphan_ids.discard(handle.allocation_id)
+                self.pool.release(handle)
+        self._orphans = still
+
+    # --- cancellation ---------------------------------------------------------------------
+
+    def cancel(self, request: Request) -> bool:
+        if request.state is FINISHED:
+            return False
+        if request.state is QUEUED:
+            self.finish(request, CANCELLED)
+            self.schedule_flush()  # and republish the pool gauges
+        else:
+            request.cancel_requested = True  # the copy completes first; then it returns pages
+        return True
+
+    # --- host pressure --------------------------------------------------------------------
+
+    def _ask_for_host_pages(self, pages_needed: int) -> None:
+        callback = self.on_host_pressure
+        if callback is None:
+            return
+        try:
+            outcome = callback(pages_needed)
+        except Exception:  # noqa: BLE001 - a broken hook must not break the service
+            log.exception("on_host_pressure(%d) raised; evictions wait for space", pages_needed)
+            return
+        if inspect.isawaitable(outcome):
+            task = asyncio.ensure_future(outcome)
+            self._pressure_tasks.add(task)
+            task.add_done_callback(self._pressure_done)
+
+    def _pressure_done(self, task: asyncio.Task) -> None:
+        self._pressure_tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("on_host_pressure raised: %r; evictions wait for space", task.exception())
+        self.schedule_flush()
+
+    def _arm_expiry(self) -> None:
+        if self._expiry_handle is None and self._host_wait_since:
+            first = min(self._host_wait_since.values())
+            self._expiry_handle = self.loop.call_at(
+                first + self.config.host_wait_timeout_s, self._expire_host_waits)
+
+    def _expire_host_waits(self) -> None:
+        self._expiry_handle = None
+        now = self.loop.time()
+        timeout = self.config.host_wait_timeout_s
+        for request, since in list(self._host_wait_since.items()):
+            if now - since >= timeout:
+                stats = self.pool.statistics()
+                self.finish(request, FAILED, error=HostPoolExhausted(
+                    f"eviction of {request.num_pages} pages waited {timeout:g} s for host "
+                    f"pages: needed {request.num_pages}, free {stats.free_pages}, capacity "
+                    f"{stats.capacity_pages} pages; release host pages (or register "
+                    f"on_host_pressure to do so), raise ServiceConfig.host_pool, or raise "
+                    f"host_wait_timeout_s"))
+        self._arm_expiry()
+        self.schedule_flush()
+
+    # --- per-layer readiness --------------------------------------------------------------
+
+    def layer_future(self, request: Request, layer: int) -> asyncio.Future:
+        future = self.loop.create_future()
+        if request.handle is not None:
+            self._watch_layer(request.handle, layer, future)
+        else:
+            self._pending_layers.setdefault(request, []).append((layer, future))
+        return future
+
+    def _watch_layer(self, handle: BatchHandle, layer: int, future: asyncio.Future) -> None:
+        def resolve() -> None:
+            if future.done():
+                return
+            if handle.error is not None and handle.layers_ready <= layer:
+                future.set_exception(TransferFailedError(
+                    f"prefetch failed before layer {layer} was ready: {handle.error!r}"))
+                future.exception()  # its awaiter may have been cancelled
+            else:
+                future.set_result(None)
+
+        if not handle.on_layer_ready(layer, resolve):
+            resolve()
+
+    @property
+    def waits_on_device(self) -> bool:
+        """Whether a layer wait ends on the device (CUDA: the consumer's stream waits), not by
+        blocking the waiting thread until the copy is done (CPU)."""
+        return self.engine.waits_on_device
+
+    def engine_wait_layer(self, handle: BatchHandle, layer: int, timeout_s: float | None,
+                          classify: Callable[[bool, float], None]) -> None:
+        self.engine.wait_layer(handle, layer, timeout_s, classify)
+
+    def _fail_for_producer(self, request: Request, producer: object,
+                           failure: BaseException) -> None:
+        error = TransferFailedError(
+            f"{request.direction.value} of {request.num_pages} pages did not run: its producer "
+            f"{producer!r} {'was cancelled' if isinstance(failure, asyncio.CancelledError) else 'failed'}")
+        error.__cause__ = failure
+        self.finish(request, FAILED, error=error)
+
+    def record_layers(self, timeliness: Timeliness, layers: int, waited_s: float | None = None
+                      ) -> None:
+        self.metrics.record_prefetch_layers(timeliness, layers, waited_s=waited_s)
+
+    # --- state ----------------------------------------------------------------------------
+
+    def publish_state(self, *, now: bool = False) -> None:
+        """Set the state gauges (queue depth, in-flight bytes, pool bytes) from current state.
+
+        At most once per ``PUBLISH_PERIOD_S`` on the hot path, with one trailing update
+        scheduled so the last state always shows; ``now`` forces it (start, release)."""
+        loop_now = self.loop.time()
+        if not now and loop_now - self._published_at < PUBLISH_PERIOD_S:
+            if self._publish_handle is None:
+                self._publish_handle = self.loop.call_at(
+                    self._published_at + PUBLISH_PERIOD_S, self._publish_trailing)
+            return
+        self._published_at = loop_now
+        metrics = self.metrics
+        for direction in Direction:
+            metrics.set_queue_depth(direction, len(self.queues[direction]))
+            metrics.set_inflight_bytes(direction, self.inflight_bytes[direction])
+        stats = self.pool.statistics()
+        bpp = self.bytes_per_page
+        metrics.set_host_pool(
+            used_bytes=stats.used_pages * bpp, free_bytes=stats.free_pages * bpp,
+            in_flight_bytes=self.hazards.busy_host_pages * bpp,
+            capacity_bytes=stats.capacity_pages * bpp)
+
+    def _publish_trailing(self) -> None:
+        self._publish_handle = None
+        self.publish_state(now=True)
+
+    async def _idle_within(self, timeout_s: float) -> bool:
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._idle.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    def abandon_unfinished(self) -> None:
+        """After the engine stopped: end every request it never reported (failed) and any
+        still queued (cancelled), returning what they held. Loop thread."""
+        for handle, requests in list(self._batches.items()):
+            del self._batches[handle]
+            direction = handle.batch.direction
+            for request in requests:
+                self.inflight_bytes[direction] -= request.nbytes
+                self.inflight_requests -= 1
+                self.finish(request, FAILED, error=ServiceClosedError(
+                    f"the service closed before the engine reported this {direction.value} "
+                    f"copy of {request.num_pages} pages (the engine failed or hung)"))
+        for direction in Direction:
+            for request in list(self.queues[direction]):
+                self.finish(request, CANCELLED)
+
+    def detach(self) -> None:
+        """After close: stop timers and drop the pool and engine (and with them the arenas)."""
+        for handle in (self._publish_handle, self._expiry_handle, self._flush_handle):
+            if handle is not None:
+                handle.cancel()
+        self._publish_handle = self._expiry_handle = self._flush_handle = None
+        self.pool = self.engine = None
+
+    async def drain(self, timeout_s: float) -> None:
+        """Wait until nothing is queued or in flight. After ``timeout_s`` cancel what is queued;
+        copies already running complete (never torn), and after another ``timeout_s`` copies
+        still blocked on a producer that never finished are abandoned (they fail)."""
+        for request in list(self._host_wait_since):
+            self.finish(request, CANCELLED)
+        self.schedule_flush()
+        if not await self._idle_within(timeout_s):
+            for direction in Direction:
+                for request in list(self.queues[direction]):
+                    self.finish(request, CANCELLED)
+            if not await self._idle_within(timeout_s):
+                log.error("close(): %d requests still wait for a producer or dependency after "
+                          "%.3g s; abandoning them", self.inflight_requests, 2 * timeout_s)
+                self.engine.abandon_waits()
+                if not await self._idle_within(timeout_s):
+                    log.error("close(): the engine did not report %d copies within %.3g s "
+                              "more; closing without them", self.inflight_requests, timeout_s)
+        for task in list(self._pressure_tasks):
+            task.cancel()
