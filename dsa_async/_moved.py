@@ -1,6 +1,6 @@
 """Import paths of modules that moved into subpackages keep working, with a warning.
 
-Before 0.2 every module sat at the package root (``dsa_async.budget``, ``dsa_async.exposition``,
+Every module used to sit at the package root (``dsa_async.budget``, ``dsa_async.exposition``,
 ...). Importing such a path now gives the module at its new place, the very same module object
 (so ``monkeypatch`` on it patches the real one), after a ``DeprecationWarning`` that names the new
 path. A module whose contents were split between modules gives a read-only view of the names it

@@ -111,6 +111,34 @@ def test_the_package_has_no_import_cycles():
     assert cycles(import_graph(modules)) == []
 
 
+#: Which subpackages each subpackage may import (the README's Architecture section). The root
+#: modules (errors, config, geometry, kinds) are open to all.
+LAYERS = {
+    "paging": set(),
+    "observability": set(),
+    "host_memory": {"paging"},
+    "transfer": {"paging"},
+    "scheduling": {"paging", "host_memory", "transfer", "observability", "completion"},
+    "completion": {"paging", "host_memory", "transfer", "observability", "scheduling"},
+    "front_door": {"paging", "host_memory", "transfer", "observability", "scheduling",
+                   "completion"},
+}
+
+
+def test_subpackages_import_only_the_layers_below_them():
+    modules = _modules()
+    for name, targets in import_graph(modules).items():
+        parts = name.split(".")
+        if len(parts) < 3 or parts[1] not in LAYERS:
+            continue
+        for target in targets:
+            target_parts = target.split(".")
+            in_subpackage = len(target_parts) >= 3 or modules[target][1]
+            if target == PACKAGE or not in_subpackage or target_parts[1] == parts[1]:
+                continue  # a root module, or the same subpackage
+            assert target_parts[1] in LAYERS[parts[1]], f"{name} imports {target}"
+
+
 def test_the_cycle_finder_sees_type_checking_and_function_level_imports(tmp_path):
     package = tmp_path / "pkg"
     (package / "sub").mkdir(parents=True)

@@ -97,14 +97,3 @@ def parse_after(after: object, *, engine: TransferEngine, scheduler: object,
     if not (engine_items or deps or loop_items):
         return NO_PRODUCERS
     return Producers(tuple(engine_items), tuple(deps), tuple(loop_items))
-
-
-def producer_error(producer: object) -> BaseException | None:
-    """The failure of a finished loop producer (``None``: it succeeded, or is an event).
-
-    A cancelled future reads as ``asyncio.CancelledError``."""
-    if isinstance(producer, asyncio.Future):
-        if producer.cancelled():
-            return asyncio.CancelledError(f"{producer!r} was cancelled")
-        return producer.exception()
-    return None

@@ -16,8 +16,6 @@ import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ..front_door.producers import producer_error
-
 if TYPE_CHECKING:
     from .request import Request
 
@@ -82,3 +80,14 @@ class LoopProducerWatches:
             producer.remove_done_callback(callback)
             if owned:  # the task this service made to wait for an asyncio.Event
                 producer.cancel()
+
+
+def producer_error(producer: object) -> BaseException | None:
+    """The failure of a finished loop producer (``None``: it succeeded, or is an event).
+
+    A cancelled future reads as ``asyncio.CancelledError``."""
+    if isinstance(producer, asyncio.Future):
+        if producer.cancelled():
+            return asyncio.CancelledError(f"{producer!r} was cancelled")
+        return producer.exception()
+    return None
