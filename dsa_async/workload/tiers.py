@@ -31,6 +31,9 @@ log = logging.getLogger("dsa_async.workload.engine")  # one logger for the servi
 
 
 class PageTiers:
+    """Segments' pages on the device and host tiers, and the copies between them (see the
+    module docstring). Loop thread only; no call blocks."""
+
     def __init__(self, service: OffloadService, device_pages: int, counters: WorkloadCounters,
                  wake: Callable[[], None]) -> None:
         self.service = service
