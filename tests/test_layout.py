@@ -1,5 +1,7 @@
-"""The package's shape: no import cycles (type-checking imports included), a small root, and
-every error class a caller may catch importable from the package itself."""
+"""The package's shape: no import cycles (type-checking imports included), subpackages that
+import only the layers below them, a small root, every error class a caller may catch
+importable from the package itself, and import paths (the README's, the old flat ones) that
+work."""
 
 from __future__ import annotations
 
@@ -281,3 +283,15 @@ def test_every_moved_path_resolves_to_modules_that_exist():
         assert f"{PACKAGE}.{old}" not in modules, f"{old} is both moved and present"
         for home in homes:
             assert f"{PACKAGE}.{home}" in modules, (old, home)
+
+
+@pytest.mark.parametrize("old", sorted(_moved.MOVED))
+def test_every_old_path_imports_with_a_warning_naming_where_it_went(monkeypatch, old):
+    _forget(monkeypatch, old)
+    homes = [importlib.import_module(f"{PACKAGE}.{home}") for home in _moved.MOVED[old]]
+    with pytest.warns(DeprecationWarning, match=f"{PACKAGE}.{old} moved to {PACKAGE}.") as caught:
+        module = importlib.import_module(f"{PACKAGE}.{old}")
+    assert all(home.__name__ in str(caught[0].message) for home in homes)
+    public = [name for home in homes for name in vars(home) if not name.startswith("_")]
+    assert public and all(getattr(module, name) is not None for name in public)
+
