@@ -70,7 +70,8 @@ class _Loader(importlib.abc.Loader):
     def exec_module(self, module: types.ModuleType) -> None:
         new_names = [f"{self._package}.{name}" for name in self._new]
         warnings.warn(f"{self._package}.{self._old} moved to {' and '.join(new_names)}; "
-                      f"import it from there", DeprecationWarning, stacklevel=2)
+                      f"import it from there", DeprecationWarning,
+                      stacklevel=2)  # the importer: warn() skips the import system's frames
         homes = tuple(importlib.import_module(name) for name in new_names)
         target = homes[0] if len(homes) == 1 else _MovedView(module.__name__, homes)
         # The import system returns whatever sys.modules holds under the name after exec.
