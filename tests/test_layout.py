@@ -298,3 +298,15 @@ def test_every_old_path_imports_with_a_warning_naming_where_it_went(monkeypatch,
     public = [name for home in homes for name in vars(home) if not name.startswith("_")]
     assert public and all(getattr(module, name) is not None for name in public)
 
+
+def test_the_readmes_architecture_table_names_every_module_of_each_step_and_no_other():
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("## Architecture"):]
+    section = section[:section.index("\n## ", 1)]
+    rows = re.findall(r"^\| [^|]+ \| `dsa_async\.(\w+)` \| (.+) \|$", section, re.MULTILINE)
+    assert {package for package, _ in rows} == set(LAYERS)  # one row per step of the flow
+    for package, cell in rows:
+        named = set(re.findall(r"`(\w+)\.py`", cell))
+        present = {p.stem for p in (PACKAGE_DIR / package).glob("*.py")} - {"__init__"}
+        assert named == present, (package, sorted(named ^ present))
+
