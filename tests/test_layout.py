@@ -21,11 +21,11 @@ PACKAGE_DIR = pathlib.Path(dsa_async.__file__).parent
 PACKAGE = PACKAGE_DIR.name
 
 
-def _modules() -> dict[str, tuple[pathlib.Path, bool]]:
-    """Every module of the package: dotted name -> (file, whether it is a package)."""
+def _modules(package_dir: pathlib.Path = PACKAGE_DIR) -> dict[str, tuple[pathlib.Path, bool]]:
+    """Every module of a package: dotted name -> (file, whether it is a package)."""
     found = {}
-    for path in PACKAGE_DIR.rglob("*.py"):
-        parts = list(path.relative_to(PACKAGE_DIR.parent).with_suffix("").parts)
+    for path in package_dir.rglob("*.py"):
+        parts = list(path.relative_to(package_dir.parent).with_suffix("").parts)
         is_package = parts[-1] == "__init__"
         if is_package:
             parts.pop()
@@ -151,11 +151,7 @@ def test_the_cycle_finder_sees_type_checking_and_function_level_imports(tmp_path
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..c import C\n")
     (package / "c.py").write_text("def f():\n    from pkg import a\n")
     (package / "d.py").write_text("from . import a\n")  # imports into the cycle, not part of it
-    modules = {}
-    for path in package.rglob("*.py"):
-        parts = list(path.relative_to(tmp_path).with_suffix("").parts)
-        is_package = parts[-1] == "__init__"
-        modules[".".join(parts[:-1] if is_package else parts)] = (path, is_package)
+    modules = _modules(package)
     assert cycles(import_graph(modules)) == [["pkg.a", "pkg.c", "pkg.sub.b"]]
     (package / "c.py").write_text("def f():\n    pass\n")
     assert cycles(import_graph(modules)) == []

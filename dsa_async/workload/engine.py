@@ -35,6 +35,8 @@ from ..front_door.service import OffloadService
 from .consumer import ForwardPass, ForwardPassStats, Step, StepResult, WriteJob
 from .conversations import Conversation, Turn
 from .counters import WorkloadCounters
+from .device_cache import DeviceCache
+from .host_cache import HostCache
 from .pagedata import PagePatterns
 from .segments import Segment, SegmentState, pages_spanned
 from .tiers import PageTiers
@@ -112,8 +114,6 @@ class ServingEngine:
         self.settings = settings
         self.counters = counters if counters is not None else WorkloadCounters()
         self.tiers = self.tiers_class(service, settings.device_pages, self.counters, self._wake_up)
-        self.device = self.tiers.device
-        self.host = self.tiers.host
         self._patterns = patterns
         self._loop = asyncio.get_running_loop()
         self._prompts: dict[str, Segment] = {}
@@ -140,6 +140,16 @@ class ServingEngine:
     def admission(self) -> asyncio.Task | None:
         """The admission task: it runs until :meth:`drain`; ending earlier means it failed."""
         return self._admit_task
+
+    @property
+    def device(self) -> DeviceCache:
+        """The device page table (the tiers')."""
+        return self.tiers.device
+
+    @property
+    def host(self) -> HostCache:
+        """The host copies (the tiers')."""
+        return self.tiers.host
 
     @property
     def forward_stats(self) -> ForwardPassStats:
