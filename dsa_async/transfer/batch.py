@@ -8,6 +8,7 @@ the copy's duration.
 
 from __future__ import annotations
 
+import enum
 import itertools
 import threading
 from collections.abc import Callable
@@ -100,10 +101,12 @@ class BatchHandle:
         self.error: BaseException | None = None
         self.duration_s = 0.0
         self.finished = False  #: set once, after success or error (see ``done``)
-        # One plain lock guards the state; the condition threads block on is made only when a
-        # thread first waits (most batches are never waited on from a thread).
+        # One plain lock guards the state. A blocked thread parks on a lock of its own, listed
+        # with what it waits for, and is woken only once that happened: a thread waiting for
+        # the whole batch (or for a late layer) is not woken by every earlier layer, which on
+        # a loaded machine takes CPU from the copy itself.
         self._lock = threading.Lock()
-        self._cond: threading.Condition | None = None
+        self._thread_waiters: list[_ThreadWaiter] = []
         self._layer_waiters: list[tuple[int, Callable[[], None]]] = []
 
     @property
@@ -112,17 +115,24 @@ class BatchHandle:
         access, so the handle is never in a reference cycle with it."""
         return _Done(self)
 
-    def _notify(self) -> None:
-        """Wake blocked threads. Call with ``_lock`` held."""
-        if self._cond is not None:
-            self._cond.notify_all()
+    def _wake_reached(self) -> None:
+        """Wake the blocked threads whose condition now holds. Call with ``_lock`` held."""
+        if not self._thread_waiters:
+            return
+        still = []
+        for waiter in self._thread_waiters:
+            if waiter.reached(self):
+                waiter.parked.release()
+            else:
+                still.append(waiter)
+        self._thread_waiters = still
 
     # --- engine side ----------------------------------------------------------------------
 
     def mark_issued(self, layers: int) -> None:
         with self._lock:
             self.layers_issued = layers
-            self._notify()
+            self._wake_reached()
 
     def mark_ready(self, layers: int) -> list[Callable[[], None]]:
         """Advance readiness; returns the loop callbacks now due (the engine hands them off)."""
@@ -135,7 +145,7 @@ class BatchHandle:
                                key=lambda w: w[0])
                 due = [cb for _, cb in ready]  # in layer order, even when a group lands at once
                 self._layer_waiters = [(i, cb) for i, cb in self._layer_waiters if i >= layers]
-            self._notify()
+            self._wake_reached()
         return due
 
     def finish(self, error: BaseException | None, duration_s: float) -> list[Callable[[], None]]:
@@ -148,7 +158,7 @@ class BatchHandle:
             due = [cb for _, cb in self._layer_waiters]
             self._layer_waiters = []
             self.finished = True
-            self._notify()
+            self._wake_reached()
         return due
 
     # --- waiter side ----------------------------------------------------------------------
@@ -166,26 +176,38 @@ class BatchHandle:
 
     def wait_issued(self, layer: int, timeout_s: float | None = None) -> None:
         """Block the calling thread until ``layer`` was issued; raise if the batch failed."""
-        self._wait_until(lambda: self.layers_issued > layer, layer, "issued", timeout_s)
+        self._wait_until(_Progress.ISSUED, layer, timeout_s)
 
     def wait_ready(self, layer: int, timeout_s: float | None = None) -> None:
         """Block the calling thread until ``layer`` is ready; raise if the batch failed."""
-        self._wait_until(lambda: self.layers_ready > layer, layer, "ready", timeout_s)
+        self._wait_until(_Progress.READY, layer, timeout_s)
 
-    def wait_for(self, predicate: Callable[[], bool], timeout_s: float | None) -> bool:
-        """Block the calling thread until ``predicate()`` (read under the lock) is true or the
-        timeout passes; returns the predicate's last value."""
+    def wait_finished(self, timeout_s: float | None) -> bool:
+        """Block the calling thread until the batch finished (success or error); ``False`` if
+        ``timeout_s`` passed first. Woken once, when it finishes."""
+        return self._park(_ThreadWaiter(_Progress.FINISHED, self.num_layers), timeout_s)
+
+    def _park(self, waiter: _ThreadWaiter, timeout_s: float | None) -> bool:
+        """Block until ``waiter``'s condition holds or the timeout passes; true if it holds."""
         with self._lock:
-            if self._cond is None:
-                self._cond = threading.Condition(self._lock)
-            return self._cond.wait_for(predicate, timeout_s)
+            if waiter.reached(self):
+                return True
+            waiter.parked.acquire()  # held until a notifier releases it
+            self._thread_waiters.append(waiter)
+        woken = waiter.parked.acquire(True, -1 if timeout_s is None else max(0.0, timeout_s))
+        if woken:
+            return True
+        with self._lock:  # timed out: leave the list, unless a notifier just took us off it
+            if waiter in self._thread_waiters:
+                self._thread_waiters.remove(waiter)
+            return waiter.reached(self)
 
-    def _wait_until(self, reached: Callable[[], bool], layer: int, what: str,
-                    timeout_s: float | None) -> None:
-        ok = self.wait_for(lambda: reached() or self.finished, timeout_s)
+    def _wait_until(self, progress: _Progress, layer: int, timeout_s: float | None) -> None:
+        ok = self._park(_ThreadWaiter(progress, layer + 1), timeout_s)
         self._raise_if_failed(layer)
         if not ok:
-            raise TimeoutError(f"layer {layer} of batch {self.batch.batch_id} not {what} in time")
+            raise TimeoutError(f"layer {layer} of batch {self.batch.batch_id} not "
+                               f"{progress.value} in time")
 
     def _raise_if_failed(self, layer: int) -> None:
         if self.error is not None and self.layers_ready <= layer:
@@ -212,4 +234,34 @@ class _Done:
         handle = self._handle
         if handle.finished:
             return True
-        return handle.wait_for(lambda: handle.finished, timeout)
+        return handle.wait_finished(timeout)
+
+
+class _Progress(enum.Enum):
+    """What a blocked thread waits for."""
+
+    ISSUED = "issued"  #: ``layers_issued`` reaches the count
+    READY = "ready"  #: ``layers_ready`` reaches the count
+    FINISHED = "finished"  #: the batch finished
+
+
+class _ThreadWaiter:
+    """One blocked thread: what it waits for and the lock it is parked on."""
+
+    __slots__ = ("layers", "parked", "progress")
+
+    def __init__(self, progress: _Progress, layers: int) -> None:
+        self.progress = progress
+        self.layers = layers
+        self.parked = threading.Lock()
+
+    def reached(self, handle: BatchHandle) -> bool:
+        """Whether the wait is over: its count reached, or the batch finished (success or
+        error: the waiter then reads the outcome). Read with the handle's lock held."""
+        if handle.finished:
+            return True
+        if self.progress is _Progress.READY:
+            return handle.layers_ready >= self.layers
+        if self.progress is _Progress.ISSUED:
+            return handle.layers_issued >= self.layers
+        return False
