@@ -12,6 +12,7 @@ layout (``page_first`` gives a strided view).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -69,6 +70,14 @@ class PoolBinding:
     #: copies when runs are short (single scattered pages). Measured when the CPU engine
     #: starts (copyplan.measure_fused_for_short_runs): it depends on the machine.
     fused_for_short_runs: bool = True
+
+    @functools.cached_property
+    def layers_wide(self) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+        """Per layer, ``(host, device)`` rows viewed in the widest element type both allow
+        (:func:`same_width`), for index ops. Made once per binding: the views cost more Python
+        time than a small batch's copy of one layer. (A binding made by ``dataclasses.replace``
+        makes its own.)"""
+        return tuple(same_width(self.host[i], d) for i, d in enumerate(self.device_layers))
 
     @property
     def device_pages(self) -> int:

@@ -157,13 +157,12 @@ def copy_layers_cpu(binding: PoolBinding, plan: PagePlan, direction: Direction, 
             else:
                 dev[:, d:d + k].copy_(host[:, h:h + k])
         return
-    for layer in range(first, last):
-        host = binding.host[layer]
-        dev = binding.device_layers[layer]
-        if plan.mode is CopyMode.SEGMENTS and host.is_contiguous():
-            _copy_segments(host, dev, plan, to_host)
+    segments = plan.mode is CopyMode.SEGMENTS and binding.host[first].is_contiguous()
+    for host_w, dev_w in binding.layers_wide[first:last]:
+        if segments:
+            _copy_segments(host_w, dev_w, plan, to_host)
         else:
-            _copy_scattered(host, dev, plan, to_host, staging)
+            _copy_scattered(host_w, dev_w, plan, to_host, staging)
 
 
 def _scatter_segments_fused(host: torch.Tensor, dev: torch.Tensor, plan: PagePlan) -> None:
@@ -177,31 +176,28 @@ def _scatter_segments_fused(host: torch.Tensor, dev: torch.Tensor, plan: PagePla
 
 
 def _copy_segments(host: torch.Tensor, dev: torch.Tensor, plan: PagePlan, to_host: bool) -> None:
+    """One layer; ``host`` and ``dev`` in one element type (``PoolBinding.layers_wide``)."""
     for seg in plan.segments:
         h = host[seg.host_start:seg.host_start + seg.num_pages]
         if seg.device_index is None:
             d = dev[seg.device_start:seg.device_start + seg.num_pages]
             (h.copy_(d) if to_host else d.copy_(h))
-            continue
-        # Both sides of one index op in the same element type: the device rows may allow a
-        # narrower one than the host segment (e.g. 8-byte but not 16-byte aligned).
-        h_w, d_w = same_width(h, dev)
-        if to_host:
-            torch.index_select(d_w, 0, seg.device_index, out=h_w)
+        elif to_host:
+            torch.index_select(dev, 0, seg.device_index, out=h)
         else:
-            d_w.index_copy_(0, seg.device_index, h_w)
+            dev.index_copy_(0, seg.device_index, h)
 
 
 def _copy_scattered(host: torch.Tensor, dev: torch.Tensor, plan: PagePlan, to_host: bool,
                     staging: Staging) -> None:
+    """One layer; ``host`` and ``dev`` in one element type (``PoolBinding.layers_wide``)."""
     src, dst = (dev, host) if to_host else (host, dev)
     src_index, dst_index = (
         (plan.device_index, plan.host_index) if to_host else (plan.host_index, plan.device_index)
     )
-    src_w, dst_w = same_width(src, dst)
-    buffer = staging.rows(src_w, plan.num_pages)
-    torch.index_select(src_w, 0, src_index, out=buffer)
-    dst_w.index_copy_(0, dst_index, buffer)
+    buffer = staging.rows(src, plan.num_pages)
+    torch.index_select(src, 0, src_index, out=buffer)
+    dst.index_copy_(0, dst_index, buffer)
 
 
 def measure_fused_for_short_runs(binding: PoolBinding, *, sample_pages: int = 16,
