@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import math
 import time
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from ..geometry import HostLayout
 from ..kinds import Direction
 from ..paging.runs import is_run, page_runs
 from .buffers import PoolBinding, same_width
+from .copy_crew import SERIAL_ELEMENTS, CopyCrew
 
 #: Below this many bytes per call, Python and dispatch overhead dominate a copy.
 MIN_BYTES_PER_CALL = 256 * 1024
@@ -142,20 +144,27 @@ class Staging:
 
 
 def copy_layers_cpu(binding: PoolBinding, plan: PagePlan, direction: Direction, first: int,
-                    last: int, staging: Staging) -> None:
-    """Copy layers ``[first, last)`` of one pool for ``plan``. Blocks the calling thread."""
+                    last: int, staging: Staging, crew: CopyCrew | None = None) -> None:
+    """Copy layers ``[first, last)`` of one pool for ``plan``. Blocks the calling thread (and
+    uses ``crew``'s helpers, when given, for short run copies through a fused device view)."""
     to_host = direction is Direction.D2H
     if plan.uses_fused(binding, to_host):
         host, dev = binding.host[first:last], binding.device_fused[first:last]
         if not to_host and plan.mode is CopyMode.SEGMENTS:
             _scatter_segments_fused(*same_width(host, dev), plan)
             return
-        # Strided run copies stay on bytes: wide elements measured slower here (0.43 vs 0.71).
-        for h, d, k in plan.runs.tolist():
-            if to_host:
-                host[:, h:h + k].copy_(dev[:, d:d + k])
-            else:
-                dev[:, d:d + k].copy_(host[:, h:h + k])
+        runs = plan.runs.tolist()
+        if crew is not None and crew.size > 1 and len(runs) > 1:
+            # Runs too short for torch to split each copy across its threads: wide elements
+            # (fewer, larger steps) and the runs shared out between the crew's threads.
+            host_w, dev_w = same_width(host, dev)
+            per_call = (last - first) * host_w.shape[-1] * plan.num_pages / len(runs)
+            if per_call < SERIAL_ELEMENTS:
+                crew.map(functools.partial(_run_copies, host_w, dev_w, to_host), runs)
+                return
+        # Long runs stay on bytes: torch splits each such copy across its threads (wide
+        # elements measured slower there, 0.43 vs 0.71).
+        _run_copies(host, dev, to_host, runs)
         return
     segments = plan.mode is CopyMode.SEGMENTS and binding.host[first].is_contiguous()
     for host_w, dev_w in binding.layers_wide[first:last]:
@@ -163,6 +172,17 @@ def copy_layers_cpu(binding: PoolBinding, plan: PagePlan, direction: Direction, 
             _copy_segments(host_w, dev_w, plan, to_host)
         else:
             _copy_scattered(host_w, dev_w, plan, to_host, staging)
+
+
+def _run_copies(host: torch.Tensor, dev: torch.Tensor, to_host: bool,
+                runs: list[list[int]]) -> None:
+    """Strided copies of ``runs`` (``[host_start, device_start, pages]``) across the layers of
+    ``host`` and ``dev`` (``[layers, pages, row]`` views in one element type)."""
+    for h, d, k in runs:
+        if to_host:
+            host[:, h:h + k].copy_(dev[:, d:d + k])
+        else:
+            dev[:, d:d + k].copy_(host[:, h:h + k])
 
 
 def _scatter_segments_fused(host: torch.Tensor, dev: torch.Tensor, plan: PagePlan) -> None:
@@ -201,12 +221,14 @@ def _copy_scattered(host: torch.Tensor, dev: torch.Tensor, plan: PagePlan, to_ho
 
 
 def measure_fused_for_short_runs(binding: PoolBinding, *, sample_pages: int = 16,
-                                 rounds: int = 3, seed: int = 0) -> bool:
+                                 rounds: int = 3, seed: int = 0,
+                                 crew: CopyCrew | None = None) -> bool:
     """Whether run copies across the fused device view beat per-layer index copies for single
     scattered pages on this machine: both move the same random device pages of every layer
     into a scratch buffer shaped like the host arena, ``rounds`` times each, interleaved; the
-    faster best time wins. Reads the device buffers, writes only the scratch. Blocks the
-    calling thread (a few ms); run it off the loop."""
+    faster best time wins; run copies go through ``crew`` when given, as the engine's do.
+    Reads the device buffers, writes only the scratch. Blocks the calling thread (a few ms);
+    run it off the loop."""
     fused = binding.device_fused
     if fused is None:
         return False
@@ -229,6 +251,6 @@ def measure_fused_for_short_runs(binding: PoolBinding, *, sample_pages: int = 16
     for _ in range(rounds):
         for fused_first, candidate in ((True, through_fused), (False, per_layer)):
             started = time.perf_counter()
-            copy_layers_cpu(candidate, plan, Direction.D2H, 0, num_layers, staging)
+            copy_layers_cpu(candidate, plan, Direction.D2H, 0, num_layers, staging, crew)
             best[fused_first] = min(best[fused_first], time.perf_counter() - started)
     return best[True] <= best[False]

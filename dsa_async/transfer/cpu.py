@@ -15,12 +15,14 @@ import threading
 import time
 from collections.abc import Callable
 
+import torch
+
 from ..errors import ServiceClosedError, TransferFailedError
 from ..kinds import Backend, Direction
 from .base import TransferEngine
 from .batch import BatchHandle, CopyBatch
+from .copy_crew import CopyCrew, crew_threads
 from .copyplan import PagePlan, Staging, copy_layers_cpu, measure_fused_for_short_runs
-
 
 #: How often a worker blocked on a dependency or producer checks whether waits were abandoned.
 WAIT_POLL_S = 0.1
@@ -45,13 +47,22 @@ class CpuEngine(TransferEngine):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        # Each worker shares short strided copies with helper threads (copy_crew.py).
+        helpers = crew_threads(torch.get_num_threads()) - 1
+        self._crews = {d: CopyCrew(helpers, f"dsa-async-{d.value}-crew") for d in Direction}
         # Fused device views: which copy path wins for scattered pages depends on the machine
         # (and its load), so it is measured here, once (a few ms; the engine starts off the loop).
-        self.bindings = {
-            name: dataclasses.replace(
-                b, fused_for_short_runs=measure_fused_for_short_runs(b))
-            if b.device_fused is not None else b
-            for name, b in self.bindings.items()}
+        try:
+            self.bindings = {
+                name: dataclasses.replace(
+                    b, fused_for_short_runs=measure_fused_for_short_runs(
+                        b, crew=self._crews[Direction.D2H]))
+                if b.device_fused is not None else b
+                for name, b in self.bindings.items()}
+        except BaseException:
+            for crew in self._crews.values():
+                crew.close()
+            raise
         self._abandoned = threading.Event()
         self._queues = {d: queue.SimpleQueue() for d in Direction}
         self._threads = {
@@ -84,17 +95,19 @@ class CpuEngine(TransferEngine):
             q.put(None)
         for thread in self._threads.values():
             thread.join()
+        for crew in self._crews.values():
+            crew.close()
 
     def _run(self, direction: Direction) -> None:
         q = self._queues[direction]
-        staging = Staging()
+        staging, crew = Staging(), self._crews[direction]
         while (handle := q.get()) is not None:
             due = []
             started = time.perf_counter()
             try:
                 self._wait_dependencies(handle.batch)
                 started = time.perf_counter()
-                due = self._copy(handle, direction, staging)
+                due = self._copy(handle, direction, staging, crew)
                 error = None
             except BaseException as exc:  # noqa: BLE001 - reported to every waiter
                 error = exc
@@ -134,7 +147,8 @@ class CpuEngine(TransferEngine):
             else:
                 self._wait_for(producer, f"its producer {producer!r}")
 
-    def _copy(self, handle: BatchHandle, direction: Direction, staging: Staging) -> list:
+    def _copy(self, handle: BatchHandle, direction: Direction, staging: Staging,
+              crew: CopyCrew) -> list:
         batch = handle.batch
         plan = PagePlan.build(batch.host_pages, batch.resolve_device_pages())
         due = []
@@ -145,7 +159,8 @@ class CpuEngine(TransferEngine):
             if self.fault_hook is not None:
                 self.fault_hook(batch, 0)
             for binding in bindings:
-                copy_layers_cpu(binding, plan, direction, 0, binding.geometry.num_layers, staging)
+                copy_layers_cpu(binding, plan, direction, 0, binding.geometry.num_layers, staging,
+                                crew)
             return due
         # Pools share readiness, so the finest grouping of any pool sets the pace.
         groups = min((plan.layer_groups(b, self.num_layers) for b in bindings), key=len)
@@ -155,7 +170,8 @@ class CpuEngine(TransferEngine):
             for binding in bindings:
                 layers = binding.geometry.num_layers
                 if first < layers:
-                    copy_layers_cpu(binding, plan, direction, first, min(last, layers), staging)
+                    copy_layers_cpu(binding, plan, direction, first, min(last, layers), staging,
+                                    crew)
             for callback in handle.mark_ready(last):
                 self.handoff.post(callback)  # per-layer readiness reaches the loop now
         return due

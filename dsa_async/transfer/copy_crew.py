@@ -1,0 +1,95 @@
+"""Helper threads that share one batch's small strided copies with the thread issuing them.
+
+torch runs a copy of fewer than ``SERIAL_ELEMENTS`` elements on the calling thread alone; only
+larger ones are split across its intra-op threads. Single scattered pages through a fused 3-D
+device view are many such copies (one page across a group of layers each), so issued from one
+thread they use one core's memory bandwidth. A crew splits them: the issuing thread copies one
+share and each helper another, using as many cores as torch would for one large copy, without
+touching torch's thread settings (they belong to the host process). torch releases the GIL
+inside each copy, so only the Python between copies is serialized.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+#: torch copies fewer elements than this on the calling thread (``at::internal::GRAIN_SIZE``).
+SERIAL_ELEMENTS = 32_768
+#: Threads per crew at most (the issuing thread included): page copies are bound by memory
+#: bandwidth, which a few cores saturate.
+MAX_CREW_THREADS = 4
+
+T = TypeVar("T")
+
+
+class CopyCrew:
+    """The issuing thread plus ``helpers`` threads, for one engine worker (never shared).
+
+    ``map`` blocks the calling thread until every share is done; ``close`` stops the helpers.
+    """
+
+    def __init__(self, helpers: int, name: str) -> None:
+        assert helpers >= 0
+        self._inboxes: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(helpers)]
+        self._results: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [
+            threading.Thread(target=self._serve, args=(inbox,), name=f"{name}-{i + 1}",
+                             daemon=True)
+            for i, inbox in enumerate(self._inboxes)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    @property
+    def size(self) -> int:
+        """Threads that copy in :meth:`map`, the calling one included."""
+        return len(self._inboxes) + 1
+
+    def map(self, fn: Callable[[Sequence[T]], None], items: Sequence[T]) -> None:
+        """Call ``fn`` on contiguous shares of ``items``: the first on this thread, one on each
+        helper (fewer shares for few items). Returns once every share returned, so nothing is
+        still writing when it does; then raises the first error any share raised. Blocks."""
+        shares = min(self.size, len(items))
+        if shares <= 1:
+            fn(items)
+            return
+        bounds = [len(items) * i // shares for i in range(shares + 1)]
+        for inbox, lo, hi in zip(self._inboxes, bounds[1:-1], bounds[2:]):
+            inbox.put((fn, items[lo:hi]))
+        error: BaseException | None = None
+        try:
+            fn(items[:bounds[1]])
+        except BaseException as exc:  # noqa: BLE001 - raised below, once the helpers are done
+            error = exc
+        for _ in range(shares - 1):
+            outcome = self._results.get()
+            if error is None:
+                error = outcome
+        if error is not None:
+            raise error
+
+    def close(self) -> None:
+        """Stop the helpers (after the share they are copying, if any)."""
+        for inbox in self._inboxes:
+            inbox.put(None)
+        for thread in self._threads:
+            thread.join()
+
+    def _serve(self, inbox: queue.SimpleQueue) -> None:
+        while (job := inbox.get()) is not None:
+            fn, share = job
+            try:
+                fn(share)
+                outcome = None
+            except BaseException as exc:  # noqa: BLE001 - handed to the issuing thread
+                outcome = exc
+            self._results.put(outcome)
+
+
+def crew_threads(intra_op_threads: int) -> int:
+    """Crew size for a process whose torch uses ``intra_op_threads``: as many threads as torch
+    would use for one large copy, at most ``MAX_CREW_THREADS``."""
+    return max(1, min(intra_op_threads, MAX_CREW_THREADS))

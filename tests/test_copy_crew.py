@@ -1,0 +1,127 @@
+"""A copy crew: every item copied once, by the issuing thread and its helpers; errors come back
+to the issuing thread only after every share is done; short run copies through a fused device
+view move the same bytes whatever the crew's size."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from dsa_async.geometry import HostLayout, dsa_indexer, mla_kv
+from dsa_async.host_memory.pool import HostPool
+from dsa_async.kinds import Direction
+from dsa_async.transfer.buffers import bind_pool
+from dsa_async.transfer.copy_crew import MAX_CREW_THREADS, CopyCrew, crew_threads
+from dsa_async.transfer.copyplan import PagePlan, Staging, copy_layers_cpu
+
+
+@pytest.fixture
+def crew3():
+    crew = CopyCrew(2, "test-crew")
+    yield crew
+    crew.close()
+
+
+def test_every_item_is_handled_once_in_contiguous_shares(crew3):
+    for count in (0, 1, 2, 3, 7, 100):
+        seen: list[tuple[int, list[int]]] = []
+        lock = threading.Lock()
+
+        def record(share, seen=seen, lock=lock):
+            with lock:
+                seen.append((threading.get_ident(), list(share)))
+
+        crew3.map(record, list(range(count)))
+        shares = sorted(share for _, share in seen if share)
+        assert [i for share in shares for i in share] == list(range(count))
+        assert all(share == list(range(share[0], share[-1] + 1)) for share in shares)
+        assert len({ident for ident, share in seen if share}) == min(count, 3)
+
+
+def test_the_issuing_thread_copies_the_first_share(crew3):
+    owners = {}
+    crew3.map(lambda share: owners.update({share[0]: threading.get_ident()}), list(range(9)))
+    assert owners[0] == threading.get_ident()
+    assert threading.get_ident() not in (owners[3], owners[6])
+
+
+@pytest.mark.parametrize("failing_share", [0, 1, 2])
+def test_an_error_comes_back_after_every_share_is_done(crew3, failing_share):
+    finished = []
+    lock = threading.Lock()
+    release = threading.Event()
+
+    def work(share):
+        if share[0] == 3 * failing_share:
+            release.set()
+            raise ValueError(f"share {failing_share} failed")
+        release.wait(10)  # the other shares end after the failure
+        with lock:
+            finished.append(share[0])
+
+    with pytest.raises(ValueError, match=f"share {failing_share} failed"):
+        crew3.map(work, list(range(9)))
+    assert len(finished) == 2  # nothing still runs once map raised
+    crew3.map(lambda share: finished.append(len(share)), list(range(9)))  # still usable
+    assert finished[2:] == [3, 3, 3]
+
+
+def test_close_stops_the_helpers():
+    crew = CopyCrew(3, "test-crew-close")
+    names = {t.name for t in threading.enumerate()}
+    assert {f"test-crew-close-{i}" for i in (1, 2, 3)} <= names
+    crew.close()
+    assert not {t.name for t in threading.enumerate()} & {f"test-crew-close-{i}" for i in (1, 2, 3)}
+
+
+def test_crew_size_follows_torch_threads_within_bounds():
+    assert crew_threads(1) == 1 and crew_threads(2) == 2
+    assert crew_threads(64) == MAX_CREW_THREADS
+    assert CopyCrew(0, "alone").size == 1
+
+
+@pytest.mark.parametrize("geometry_of", [dsa_indexer, mla_kv], ids=["indexer", "kv"])
+@pytest.mark.parametrize("layout", list(HostLayout), ids=lambda x: x.value)
+@pytest.mark.parametrize("direction", list(Direction), ids=lambda d: d.value)
+def test_short_run_copies_are_byte_exact_for_any_crew_size(geometry_of, layout, direction):
+    """Single scattered pages and short runs, through a fused view, with crews of 1 to 4
+    threads: the same bytes as a crew-less copy."""
+    geometry = geometry_of(num_layers=9, host_layout=layout)
+    host_pages, device_pages_total, n = 24, 20, 12
+    arena_bytes = HostPool.create([geometry], host_pages).arenas[geometry.name].numel()
+    gen = torch.Generator().manual_seed(11)
+    arena_start = torch.randint(0, 256, (arena_bytes,), dtype=torch.uint8, generator=gen)
+    device_start = torch.randint(0, 256, (geometry.num_layers, device_pages_total,
+                                          geometry.bytes_per_page_per_layer),
+                                 dtype=torch.uint8, generator=gen)
+    # single pages scattered on both sides, then one run of 4 on both sides
+    host = np.concatenate((np.random.default_rng(1).choice(20, n - 4, replace=False),
+                           np.arange(20, 24))).astype(np.int64)
+    dev = np.concatenate((np.random.default_rng(2).choice(16, n - 4, replace=False),
+                          np.arange(16, 20))).astype(np.int64)
+    plan = PagePlan.build(host, dev)
+    for threads in range(1, MAX_CREW_THREADS + 1):
+        crew = CopyCrew(threads - 1, f"test-crew-{threads}")
+        try:
+            results = []
+            for use_crew in (False, True):
+                pool = HostPool.create([geometry], host_pages)
+                arena = pool.arenas[geometry.name]
+                arena.view(-1).copy_(arena_start)
+                device = device_start.clone()
+                binding = bind_pool(geometry, arena, [device[i] for i in range(geometry.num_layers)])
+                assert binding.device_fused is not None
+                copy_layers_cpu(binding, plan, direction, 2, 8, Staging(),
+                                crew if use_crew else None)
+                results.append((arena.clone(), device.clone()))
+            (arena_a, device_a), (arena_b, device_b) = results
+            assert torch.equal(arena_a, arena_b) and torch.equal(device_a, device_b)
+            # and the copy did something: layers 2..7 of the pages now agree on both sides
+            h = binding.host
+            assert torch.equal(h[2:8, host], binding.device_fused[2:8, dev])
+            assert not torch.equal(h[0:2, host], binding.device_fused[0:2, dev])
+        finally:
+            crew.close()
