@@ -4,6 +4,7 @@ view move the same bytes whatever the crew's size."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import numpy as np
@@ -16,6 +17,8 @@ from dsa_async.kinds import Direction
 from dsa_async.transfer.buffers import bind_pool
 from dsa_async.transfer.copy_crew import MAX_CREW_THREADS, CopyCrew, crew_threads
 from dsa_async.transfer.copyplan import PagePlan, Staging, copy_layers_cpu
+from dsa_async.transfer.cpu import CpuEngine
+from dsa_async.transfer.handoff import LoopHandoff
 
 
 @pytest.fixture
@@ -125,3 +128,21 @@ def test_short_run_copies_are_byte_exact_for_any_crew_size(geometry_of, layout, 
             assert not torch.equal(h[0:2, host], binding.device_fused[0:2, dev])
         finally:
             crew.close()
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
+async def test_the_cpu_engine_runs_crews_only_for_fused_views_and_stops_them(fused):
+    geometry = dsa_indexer(num_layers=3)
+    pool = HostPool.create([geometry], 8)
+    whole = torch.zeros(3, 8, geometry.bytes_per_page_per_layer, dtype=torch.uint8)
+    layers = [whole[i] if fused else whole[i].clone() for i in range(3)]
+    binding = bind_pool(geometry, pool.arenas[geometry.name], layers)
+    before = {t.name for t in threading.enumerate()}
+    engine = CpuEngine({geometry.name: binding}, LoopHandoff(asyncio.get_running_loop()),
+                       lambda handle: None)
+    crew = {t.name for t in threading.enumerate()} - before
+    crew = {name for name in crew if "-crew-" in name}
+    expected = crew_threads(torch.get_num_threads()) - 1
+    assert len(crew) == (2 * expected if fused else 0)
+    await asyncio.to_thread(engine.close)
+    assert not crew & {t.name for t in threading.enumerate()}

@@ -47,8 +47,10 @@ class CpuEngine(TransferEngine):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        # Each worker shares short strided copies with helper threads (copy_crew.py).
-        helpers = crew_threads(torch.get_num_threads()) - 1
+        # Each worker shares short strided copies through fused device views with helper
+        # threads (copy_crew.py); without such a view there are none to share.
+        fused = any(b.device_fused is not None for b in self.bindings.values())
+        helpers = crew_threads(torch.get_num_threads()) - 1 if fused else 0
         self._crews = {d: CopyCrew(helpers, f"dsa-async-{d.value}-crew") for d in Direction}
         # Fused device views: which copy path wins for scattered pages depends on the machine
         # (and its load), so it is measured here, once (a few ms; the engine starts off the loop).
