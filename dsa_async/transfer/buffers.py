@@ -79,6 +79,11 @@ class PoolBinding:
         makes its own.)"""
         return tuple(same_width(self.host[i], d) for i, d in enumerate(self.device_layers))
 
+    @functools.cached_property
+    def host_rows_contiguous(self) -> bool:
+        """Whether each layer's host rows are one contiguous block (``layer_first``)."""
+        return bool(self.host[0].is_contiguous())
+
     @property
     def device_pages(self) -> int:
         return int(self.device_layers[0].shape[0])

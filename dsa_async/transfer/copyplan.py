@@ -168,7 +168,7 @@ def copy_layers_cpu(binding: PoolBinding, plan: PagePlan, direction: Direction, 
         # elements measured slower there, 0.43 vs 0.71).
         _run_copies(host, dev, to_host, runs)
         return
-    segments = plan.mode is CopyMode.SEGMENTS and binding.host[first].is_contiguous()
+    segments = plan.mode is CopyMode.SEGMENTS and binding.host_rows_contiguous
     for host_w, dev_w in binding.layers_wide[first:last]:
         if segments:
             _copy_segments(host_w, dev_w, plan, to_host)
