@@ -65,6 +65,8 @@ class CpuEngine(TransferEngine):
             for crew in self._crews.values():
                 crew.close()
             raise
+        for binding in self.bindings.values():
+            binding.layers_wide  # noqa: B018 - made now, not by the first batch's worker
         self._abandoned = threading.Event()
         self._queues = {d: queue.SimpleQueue() for d in Direction}
         self._threads = {
