@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import random
 import re
 import subprocess
 import sys
@@ -416,6 +417,54 @@ async def test_a_release_from_a_thread_while_a_copy_reads_the_pages_returns_them
         gate.set()
         await load
         assert service.statistics().used_pages == 0
+
+
+async def test_handles_released_while_in_use_each_return_when_their_last_copy_ends(tmp_path):
+    """Many handles released from a thread while loads still read them: each comes back
+    exactly when the last load reading it ends, whatever order the loads end in; and a load's
+    end looks only at the released handles that share its pages, not at every one of them.
+    (The loads wait for asyncio futures, which hold them on the loop, so they can be let go in
+    any order: held back in the engine, they would run in submission order.)"""
+    handles_n, loads_per_handle = 10, 2
+    service, _ = make_service(tmp_path, layers=LAYERS, host_pages=64, device_pages=64)
+    loop = asyncio.get_running_loop()
+    async with service, asyncio.timeout(3 * BOUND_S):
+        handles = [(await service.evict(tokens([2 * i, 2 * i + 1]))).host_pages
+                   for i in range(handles_n)]
+        gates, loads, target = {}, {}, 2 * handles_n
+        for i, handle in enumerate(handles):
+            for j in range(loads_per_handle):
+                gates[i, j] = loop.create_future()
+                loads[i, j] = service.prefetch(handle, tokens([target, target + 1]),
+                                               after=gates[i, j])
+                target += 2
+
+        def release_all():
+            for handle in handles:
+                service.release_threadsafe(handle)
+
+        await in_thread(release_all)
+        await in_thread(lambda: None)  # the loop has taken every release
+        assert service.statistics().used_pages == 2 * handles_n  # all still read
+        busy = service._scheduler.hazards.host_pages_busy
+        checked: list[int] = []
+
+        def counting(pages):
+            checked.append(len(pages))
+            return busy(pages)
+
+        service._scheduler.hazards.host_pages_busy = counting
+        order = list(gates)
+        random.Random(3).shuffle(order)
+        pending = dict.fromkeys(range(handles_n), loads_per_handle)
+        for i, j in order:
+            checked.clear()
+            gates[i, j].set_result(None)
+            await loads[i, j]
+            pending[i] -= 1
+            held = sum(2 for left in pending.values() if left)
+            assert service.statistics().used_pages == held, (i, j)
+            assert len(checked) <= 1, f"the end of one load checked {len(checked)} handles"
 
 
 async def test_a_handle_can_be_released_from_threads_once(tmp_path):

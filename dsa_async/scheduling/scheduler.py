@@ -77,8 +77,11 @@ class Scheduler:
         self._pending_layers: dict[Request, list[tuple[int, asyncio.Future]]] = {}
         #: requests held on the loop until their asyncio producers end
         self._loop_watches = LoopProducerWatches(self.schedule_flush, self._fail_for_producer)
-        self._orphans: list = []  # host pages to free once the copies still reading them end
-        self._orphan_ids: set[int] = set()  # their allocation ids: not the caller's to release
+        #: host pages to free once the copies still using them end, by allocation id (not the
+        #: caller's to release), and which of them holds each of their pages: a request's end
+        #: looks only at the orphans that share its pages, never at all of them
+        self._orphans: dict[int, HostPages] = {}
+        self._orphan_of_page: dict[int, int] = {}
         self._pressure_tasks: set[asyncio.Task] = set()
         self._flush_handle: asyncio.Handle | None = None
         self._expiry_handle: asyncio.TimerHandle | None = None
@@ -319,7 +322,6 @@ class Scheduler:
         for outcome, (latencies, paddings) in ended.items():
             self.metrics.record_requests(direction, outcome, latencies,
                                          sum(paddings) * self.bytes_per_token)
-        self._free_orphans()
         self.schedule_flush()  # publishes the pool gauges once for the whole batch
 
     def finish(self, request: Request, outcome: Outcome, *, result: TransferResult | None = None,
@@ -341,13 +343,13 @@ class Scheduler:
         if self._host_wait_since:
             self._host_wait_since.pop(request, None)
         self.hazards.retire(request)  # its host pages may be released again
+        if self._orphans and request.host_pages is not None:
+            # this request may have been the last copy using orphaned pages
+            self._free_orphans_sharing(request.host_pages)
         if request.owns_host and outcome is not DONE and request.host_handle is not None:
             # The service chose these pages and the backup did not end done: they are the
             # service's to free (never the caller's), once no copy reads them.
-            self._orphans.append(request.host_handle)
-            self._orphan_ids.add(request.host_handle.allocation_id)
-        if self._orphans:  # this request may have been the last reader of orphaned pages
-            self._free_orphans()
+            self._free_when_unused(request.host_handle)
         future = request.future
         if outcome is DONE:
             future.set_result(result)
@@ -390,7 +392,7 @@ class Scheduler:
     def release_host(self, handle: HostPages) -> None:
         """Return ``handle``'s pages to the pool now; refuses (changing nothing) while a queued
         or running copy reads or writes any of them. Does not block."""
-        if handle.allocation_id in self._orphan_ids:
+        if handle.allocation_id in self._orphans:
             raise _services_own(handle)
         self.pool.release(handle, self.hazards.host_pages_busy)
 
@@ -399,29 +401,46 @@ class Scheduler:
         them ends; until then they are the service's (``release_host`` refuses the handle).
         Raises ``UnknownHostPagesError`` for a handle that is not the caller's. Loop thread."""
         self.check_releasable(handle)
-        self._orphans.append(handle)
-        self._orphan_ids.add(handle.allocation_id)
-        self._free_orphans()
+        self._free_when_unused(handle)
 
     def check_releasable(self, handle: HostPages) -> None:
         """Raise ``UnknownHostPagesError`` unless ``handle`` is a live allocation that the
         caller (not the service) holds. Changes nothing; safe on any thread (a set and a dict
         lookup)."""
-        if handle.allocation_id in self._orphan_ids:
+        if handle.allocation_id in self._orphans:
             raise _services_own(handle)
         self.pool.check_owned(handle)
 
-    def _free_orphans(self) -> None:
-        if not self._orphans:
+    def _free_when_unused(self, handle: HostPages) -> None:
+        """Free ``handle`` now if no queued or running copy uses its pages; else make it an
+        orphan, freed when the last such copy ends (:meth:`_free_orphans_sharing`)."""
+        if not self.hazards.host_pages_busy(handle.page_seq):
+            self.pool.release(handle)
             return
-        still = []
-        for handle in self._orphans:
-            if self.hazards.host_pages_busy(handle.page_seq):
-                still.append(handle)
-            else:
-                self._orphan_ids.discard(handle.allocation_id)
-                self.pool.release(handle)
-        self._orphans = still
+        self._orphans[handle.allocation_id] = handle
+        pages = self._orphan_of_page
+        for page in handle.page_seq:
+            pages[page] = handle.allocation_id
+
+    def _free_orphans_sharing(self, host_pages) -> None:
+        """Free the orphans that share a page with ``host_pages`` (a copy that used them just
+        ended) and that no other copy uses any more. Looks at the smaller of the two sides:
+        the ended copy's pages, or every orphan when they hold fewer pages."""
+        if len(self._orphan_of_page) <= len(host_pages):
+            candidates = list(self._orphans)
+        else:
+            owner = self._orphan_of_page.get
+            candidates = {owner(page) for page in host_pages}
+            candidates.discard(None)
+        busy = self.hazards.host_pages_busy
+        for allocation_id in candidates:
+            handle = self._orphans[allocation_id]
+            if busy(handle.page_seq):
+                continue
+            del self._orphans[allocation_id]
+            for page in handle.page_seq:
+                del self._orphan_of_page[page]
+            self.pool.release(handle)
 
     # --- cancellation ---------------------------------------------------------------------
 
