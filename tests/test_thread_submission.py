@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import random
 import re
 import subprocess
@@ -30,7 +31,7 @@ from dsa_async.bench.measure import MIN_PAIRS
 from dsa_async.bench.runner import BenchConfig, run_bench
 from dsa_async.errors import (HostPoolExhausted, IndexTypeError, IndexValueError,
                               PageAlignmentError, QueueFullError, ServiceClosedError,
-                              UnknownHostPagesError)
+                              TransferFailedError, UnknownHostPagesError)
 from dsa_async.kinds import Backend
 
 BOUND_S = 10
@@ -465,6 +466,41 @@ async def test_handles_released_while_in_use_each_return_when_their_last_copy_en
             held = sum(2 for left in pending.values() if left)
             assert service.statistics().used_pages == held, (i, j)
             assert len(checked) <= 1, f"the end of one load checked {len(checked)} handles"
+
+
+@pytest.mark.parametrize("ending", ["cancelled", "failed"])
+async def test_a_backup_released_from_a_thread_then_ended_undone_frees_its_pages_once(tmp_path,
+                                                                                      ending,
+                                                                                      caplog):
+    """The caller releases an eviction's host pages from a thread while the backup still
+    writes them, then the backup ends cancelled or failed: the service would free those pages
+    itself too; they come back once, nothing on the loop raises, the transfer ends, and the
+    service closes cleanly."""
+    service, _ = make_service(tmp_path, layers=LAYERS, host_pages=8, device_pages=8)
+    async with service, asyncio.timeout(BOUND_S):
+        producer: concurrent.futures.Future = concurrent.futures.Future()
+        backup = service.evict(tokens([0, 1]), after=producer)  # held back by its producer
+        await in_thread(lambda: None)  # accepted, host pages chosen
+        handle = backup.host_pages
+        assert handle is not None
+        await in_thread(lambda: service.release_threadsafe(handle))
+        await in_thread(lambda: None)  # the loop took the release
+        assert service.statistics().used_pages == 2  # the backup still writes them
+        if ending == "cancelled":
+            backup.cancel()
+            producer.set_result(None)
+            with pytest.raises(asyncio.CancelledError):
+                await backup
+        else:
+            producer.set_exception(RuntimeError("the producer's kernel failed"))
+            with pytest.raises(TransferFailedError, match="kernel failed"):
+                await backup
+        assert service.statistics().used_pages == 0
+        # the pool is whole: its every page can be taken again
+        again = await service.evict(tokens(range(8)))
+        service.release(again.host_pages)
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, [r.getMessage() for r in errors]
 
 
 async def test_a_handle_can_be_released_from_threads_once(tmp_path):

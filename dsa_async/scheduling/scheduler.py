@@ -343,13 +343,17 @@ class Scheduler:
         if self._host_wait_since:
             self._host_wait_since.pop(request, None)
         self.hazards.retire(request)  # its host pages may be released again
+        handle = request.host_handle
+        if (request.owns_host and outcome is not DONE and handle is not None
+                and handle.allocation_id not in self._orphans):
+            # The service chose these pages and the backup did not end done: they are the
+            # service's to free (never the caller's), once no copy reads them. (Unless the
+            # caller already released them from a thread while the backup ran: then they are
+            # an orphan already, freed below or by the copy that still uses them.)
+            self._free_when_unused(handle)
         if self._orphans and request.host_pages is not None:
             # this request may have been the last copy using orphaned pages
             self._free_orphans_sharing(request.host_pages)
-        if request.owns_host and outcome is not DONE and request.host_handle is not None:
-            # The service chose these pages and the backup did not end done: they are the
-            # service's to free (never the caller's), once no copy reads them.
-            self._free_when_unused(request.host_handle)
         future = request.future
         if outcome is DONE:
             future.set_result(result)
