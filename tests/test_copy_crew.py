@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import types
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ import torch
 from dsa_async.geometry import HostLayout, dsa_indexer, mla_kv
 from dsa_async.host_memory.pool import HostPool
 from dsa_async.kinds import Direction
+from dsa_async.transfer import copy_crew, cpu
 from dsa_async.transfer.buffers import bind_pool
 from dsa_async.transfer.copy_crew import MAX_CREW_THREADS, CopyCrew, crew_threads
 from dsa_async.transfer.copyplan import PagePlan, Staging, copy_layers_cpu
@@ -146,3 +148,58 @@ async def test_the_cpu_engine_runs_crews_only_for_fused_views_and_stops_them(fus
     assert len(crew) == (2 * expected if fused else 0)
     await asyncio.to_thread(engine.close)
     assert not crew & {t.name for t in threading.enumerate()}
+
+
+class _StartFails(threading.Thread):
+    """A thread class whose n-th ``start()`` (counted over all instances) fails, as when the
+    process is out of threads."""
+
+    starts = 0
+    fail_at = 0
+
+    def start(self) -> None:
+        type(self).starts += 1
+        if type(self).starts == type(self).fail_at:
+            raise RuntimeError("can't start new thread")
+        super().start()
+
+
+def _threading_failing_at(n: int):
+    failing = type("StartFails", (_StartFails,), {"starts": 0, "fail_at": n})
+    return types.SimpleNamespace(Thread=failing, Event=threading.Event, Lock=threading.Lock)
+
+
+def _alive(prefix: str) -> set[str]:
+    return {t.name for t in threading.enumerate() if t.name.startswith(prefix)}
+
+
+@pytest.mark.parametrize("fail_at", [1, 2, 3])
+def test_a_crew_that_cannot_start_a_helper_stops_the_ones_it_started(monkeypatch, fail_at):
+    monkeypatch.setattr(copy_crew, "threading", _threading_failing_at(fail_at))
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        CopyCrew(3, "test-crew-start")
+    assert not _alive("test-crew-start")
+
+
+@pytest.mark.parametrize("fail_at", range(1, 7))
+async def test_an_engine_that_cannot_start_a_thread_leaves_none_behind(monkeypatch, fail_at):
+    """Every thread a fused-view CPU engine starts (two crews' helpers, two workers): whichever
+    fails to start, the engine refuses to start and stops those that did."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # one helper per crew
+    failing = _threading_failing_at(fail_at)
+    monkeypatch.setattr(copy_crew, "threading", failing)
+    monkeypatch.setattr(cpu, "threading", failing)
+    geometry = dsa_indexer(num_layers=3)
+    pool = HostPool.create([geometry], 8)
+    whole = torch.zeros(3, 8, geometry.bytes_per_page_per_layer, dtype=torch.uint8)
+    binding = bind_pool(geometry, pool.arenas[geometry.name], [whole[i] for i in range(3)])
+    before = _alive("dsa-async-")
+    if fail_at > 4:  # only four threads to start: this one starts them all
+        engine = CpuEngine({geometry.name: binding}, LoopHandoff(asyncio.get_running_loop()),
+                           lambda handle: None)
+        await asyncio.to_thread(engine.close)
+    else:
+        with pytest.raises(RuntimeError, match="can't start new thread"):
+            CpuEngine({geometry.name: binding}, LoopHandoff(asyncio.get_running_loop()),
+                      lambda handle: None)
+    assert _alive("dsa-async-") == before

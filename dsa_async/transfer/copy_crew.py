@@ -35,18 +35,21 @@ class CopyCrew:
         assert helpers >= 0
         self._inboxes: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(helpers)]
         self._results: queue.SimpleQueue = queue.SimpleQueue()
-        self._threads = [
-            threading.Thread(target=self._serve, args=(inbox,), name=f"{name}-{i + 1}",
-                             daemon=True)
-            for i, inbox in enumerate(self._inboxes)
-        ]
-        for thread in self._threads:
-            thread.start()
+        self._threads: list[threading.Thread] = []
+        try:
+            for i, inbox in enumerate(self._inboxes):
+                thread = threading.Thread(target=self._serve, args=(inbox,),
+                                          name=f"{name}-{i + 1}", daemon=True)
+                thread.start()
+                self._threads.append(thread)
+        except BaseException:
+            self.close()  # the helpers that did start
+            raise
 
     @property
     def size(self) -> int:
-        """Threads that copy in :meth:`map`, the calling one included."""
-        return len(self._inboxes) + 1
+        """Threads that copy in :meth:`map`, the calling one included (1 once closed)."""
+        return len(self._threads) + 1
 
     def map(self, fn: Callable[[Sequence[T]], None], items: Sequence[T]) -> None:
         """Call ``fn`` on contiguous shares of ``items``: the first on this thread, one on each
@@ -72,10 +75,12 @@ class CopyCrew:
             raise error
 
     def close(self) -> None:
-        """Stop the helpers (after the share they are copying, if any)."""
-        for inbox in self._inboxes:
+        """Stop the helpers (after the share they are copying, if any). Blocks; a second call
+        returns at once."""
+        threads, self._threads = self._threads, []
+        for inbox, _thread in zip(self._inboxes, threads):
             inbox.put(None)
-        for thread in self._threads:
+        for thread in threads:
             thread.join()
 
     def _serve(self, inbox: queue.SimpleQueue) -> None:

@@ -51,31 +51,32 @@ class CpuEngine(TransferEngine):
         # threads (copy_crew.py); without such a view there are none to share.
         fused = any(b.device_fused is not None for b in self.bindings.values())
         helpers = crew_threads(torch.get_num_threads()) - 1 if fused else 0
-        self._crews = {d: CopyCrew(helpers, f"dsa-async-{d.value}-crew") for d in Direction}
-        # Fused device views: which copy path wins for scattered pages depends on the machine
-        # (and its load), so it is measured here, once (a few ms; the engine starts off the loop).
-        try:
+        self._crews: dict[Direction, CopyCrew] = {}
+        self._abandoned = threading.Event()
+        self._queues = {d: queue.SimpleQueue() for d in Direction}
+        self._threads: dict[Direction, threading.Thread] = {}
+        try:  # whatever fails here, no thread started so far is left behind
+            for d in Direction:
+                self._crews[d] = CopyCrew(helpers, f"dsa-async-{d.value}-crew")
+            # Fused device views: which copy path wins for scattered pages depends on the
+            # machine (and its load), so it is measured here, once (a few ms; the engine starts
+            # off the loop).
             self.bindings = {
                 name: dataclasses.replace(
                     b, fused_for_short_runs=measure_fused_for_short_runs(
                         b, crew=self._crews[Direction.D2H]))
                 if b.device_fused is not None else b
                 for name, b in self.bindings.items()}
+            for binding in self.bindings.values():
+                binding.layers_wide  # noqa: B018 - made now, not by the first batch's worker
+            for d in Direction:
+                thread = threading.Thread(target=self._run, args=(d,),
+                                          name=f"dsa-async-{d.value}", daemon=True)
+                thread.start()
+                self._threads[d] = thread
         except BaseException:
-            for crew in self._crews.values():
-                crew.close()
+            self.close()
             raise
-        for binding in self.bindings.values():
-            binding.layers_wide  # noqa: B018 - made now, not by the first batch's worker
-        self._abandoned = threading.Event()
-        self._queues = {d: queue.SimpleQueue() for d in Direction}
-        self._threads = {
-            d: threading.Thread(target=self._run, args=(d,), name=f"dsa-async-{d.value}",
-                                daemon=True)
-            for d in Direction
-        }
-        for thread in self._threads.values():
-            thread.start()
 
     def submit(self, batch: CopyBatch) -> BatchHandle:
         handle = BatchHandle(batch, self.num_layers)
@@ -95,8 +96,9 @@ class CpuEngine(TransferEngine):
         classify(late, time.perf_counter() - waited_from if late else 0.0)
 
     def close(self) -> None:
-        for q in self._queues.values():
-            q.put(None)
+        """Stop the workers (after the batches already submitted) and their crews. Blocks."""
+        for d in self._threads:
+            self._queues[d].put(None)
         for thread in self._threads.values():
             thread.join()
         for crew in self._crews.values():
