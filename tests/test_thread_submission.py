@@ -522,6 +522,27 @@ async def test_a_handle_can_be_released_from_threads_once(tmp_path):
             await in_thread(lambda: service.release_threadsafe(handle))
 
 
+async def test_a_release_on_the_loop_after_one_from_a_thread_is_refused(tmp_path, caplog):
+    """A handle released from a thread, then released or loaded on the loop before the loop
+    took that release: both are refused at the call, the pages come back once, nothing is
+    logged."""
+    service, _ = make_service(tmp_path, layers=LAYERS, host_pages=8, device_pages=8)
+    async with service, asyncio.timeout(BOUND_S):
+        handle = service.allocate_host_pages(2)
+        while_the_loop_is_blocked(lambda: service.release_threadsafe(handle))
+        with pytest.raises(UnknownHostPagesError, match="already released .from a thread"):
+            service.release(handle)  # before the loop took the thread's release
+        with pytest.raises(UnknownHostPagesError, match="released .from a thread"):
+            service.prefetch(handle, tokens([1, 2]))  # nor may a load read it any more
+        await in_thread(lambda: None)  # now it has
+        assert service.statistics().used_pages == 0
+        with pytest.raises(UnknownHostPagesError):
+            service.release(handle)
+        again = service.allocate_host_pages(8)  # the pool is whole
+        service.release(again)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
 # --- close ----------------------------------------------------------------------------------
 
 
