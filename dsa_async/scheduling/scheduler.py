@@ -35,6 +35,7 @@ from ..transfer.batch import BatchHandle, CopyBatch, Dependency
 from .hazards import HazardTable
 from .liveness import check_liveness
 from .loop_producers import LoopProducerWatches
+from .orphans import Orphans
 from .request import FINISHED, QUEUED, SUBMITTED, Request, report_unobserved
 
 log = logging.getLogger("dsa_async.scheduler")  # the logger name operators configure
@@ -77,11 +78,8 @@ class Scheduler:
         self._pending_layers: dict[Request, list[tuple[int, asyncio.Future]]] = {}
         #: requests held on the loop until their asyncio producers end
         self._loop_watches = LoopProducerWatches(self.schedule_flush, self._fail_for_producer)
-        #: host pages to free once the copies still using them end, by allocation id (not the
-        #: caller's to release), and which of them holds each of their pages: a request's end
-        #: looks only at the orphans that share its pages, never at all of them
-        self._orphans: dict[int, HostPages] = {}
-        self._orphan_of_page: dict[int, int] = {}
+        #: host pages to free once the copies still using them end (not the caller's to release)
+        self._orphans = Orphans(self.hazards)
         self._pressure_tasks: set[asyncio.Task] = set()
         self._flush_handle: asyncio.Handle | None = None
         self._expiry_handle: asyncio.TimerHandle | None = None
@@ -350,10 +348,10 @@ class Scheduler:
             # service's to free (never the caller's), once no copy reads them. (Unless the
             # caller already released them from a thread while the backup ran: then they are
             # an orphan already, freed below or by the copy that still uses them.)
-            self._free_when_unused(handle)
+            self._orphans.free_when_unused(handle, self.pool)
         if self._orphans and request.host_pages is not None:
             # this request may have been the last copy using orphaned pages
-            self._free_orphans_sharing(request.host_pages)
+            self._orphans.free_sharing(request.host_pages, self.pool)
         future = request.future
         if outcome is DONE:
             future.set_result(result)
@@ -405,7 +403,7 @@ class Scheduler:
         them ends; until then they are the service's (``release_host`` refuses the handle).
         Raises ``UnknownHostPagesError`` for a handle that is not the caller's. Loop thread."""
         self.check_releasable(handle)
-        self._free_when_unused(handle)
+        self._orphans.free_when_unused(handle, self.pool)
 
     def check_releasable(self, handle: HostPages) -> None:
         """Raise ``UnknownHostPagesError`` unless ``handle`` is a live allocation that the
@@ -414,37 +412,6 @@ class Scheduler:
         if handle.allocation_id in self._orphans:
             raise _services_own(handle)
         self.pool.check_owned(handle)
-
-    def _free_when_unused(self, handle: HostPages) -> None:
-        """Free ``handle`` now if no queued or running copy uses its pages; else make it an
-        orphan, freed when the last such copy ends (:meth:`_free_orphans_sharing`)."""
-        if not self.hazards.host_pages_busy(handle.page_seq):
-            self.pool.release(handle)
-            return
-        self._orphans[handle.allocation_id] = handle
-        pages = self._orphan_of_page
-        for page in handle.page_seq:
-            pages[page] = handle.allocation_id
-
-    def _free_orphans_sharing(self, host_pages) -> None:
-        """Free the orphans that share a page with ``host_pages`` (a copy that used them just
-        ended) and that no other copy uses any more. Looks at the smaller of the two sides:
-        the ended copy's pages, or every orphan when they hold fewer pages."""
-        if len(self._orphan_of_page) <= len(host_pages):
-            candidates = list(self._orphans)
-        else:
-            owner = self._orphan_of_page.get
-            candidates = {owner(page) for page in host_pages}
-            candidates.discard(None)
-        busy = self.hazards.host_pages_busy
-        for allocation_id in candidates:
-            handle = self._orphans[allocation_id]
-            if busy(handle.page_seq):
-                continue
-            del self._orphans[allocation_id]
-            for page in handle.page_seq:
-                del self._orphan_of_page[page]
-            self.pool.release(handle)
 
     # --- cancellation ---------------------------------------------------------------------
 
