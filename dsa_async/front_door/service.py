@@ -514,9 +514,7 @@ class OffloadService:
                 if self._engine is None:  # a thread that raced close(): the pool may be gone
                     raise ServiceClosedError("the service is closing or closed")
                 scheduler.check_releasable(host)
-            if self._inbox.release_posted(host):  # the loop has not taken it yet
-                raise UnknownHostPagesError(f"{host!r} was released (from a thread); "
-                                            f"use a handle that is still held")
+            self._inbox.refuse_if_release_posted(host)  # the loop has not taken it yet
             if num_pages != host.num_pages:
                 raise IndexValueError(
                     f"device_tokens cover {num_pages} pages but {host!r} holds "
@@ -601,11 +599,8 @@ class OffloadService:
         """Return host pages to the pool now. Raises ``PagesInFlightError`` (changing nothing)
         while a copy reads or writes them, ``UnknownHostPagesError`` for a stale handle."""
         scheduler = self._running()
-        if isinstance(host, HostPages) and self._inbox.release_posted(host):
-            # a thread released it and the loop has not taken that yet: a second release
-            raise UnknownHostPagesError(f"{host!r} was already released (from a thread; its "
-                                        f"pages return once the loop takes that release); "
-                                        f"release each handle once")
+        if isinstance(host, HostPages):  # a thread may have released it already
+            self._inbox.refuse_if_release_posted(host)
         scheduler.release_host(host)
         scheduler.schedule_flush()  # evictions waiting for space may go now; gauges follow
 

@@ -93,17 +93,20 @@ class ThreadInbox:
         postings before it checks the handle, so it always sees one or the other."""
         with self._lock:
             self._check_open()  # first: once closing, the pool may be gone
-            if handle.allocation_id in self._releasing:
-                raise UnknownHostPagesError(
-                    f"{handle!r} was already released (from a thread; its pages return to the "
-                    f"pool once no copy uses them); release each handle once")
+            self.refuse_if_release_posted(handle)
             check(handle)
             self._append(handle)
             self._releasing.add(handle.allocation_id)
 
-    def release_posted(self, handle: HostPages) -> bool:
-        """Whether the release of ``handle`` was posted and not taken yet (one set lookup)."""
-        return handle.allocation_id in self._releasing
+    def refuse_if_release_posted(self, handle: HostPages) -> None:
+        """Raise ``UnknownHostPagesError`` if the release of ``handle`` was posted and the loop
+        has not taken it yet: the handle is no longer the caller's to use or release (one set
+        lookup; any thread)."""
+        if handle.allocation_id in self._releasing:
+            raise UnknownHostPagesError(
+                f"{handle!r} was already released (from a thread; its pages return to the pool "
+                f"once no copy uses them); use a handle that is still held, and release each "
+                f"handle once")
 
     def _check_open(self) -> None:
         if self._closed:
