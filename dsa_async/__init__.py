@@ -10,6 +10,8 @@ from .completion.result import TransferResult
 from .completion.transfer import Transfer
 from .config import PoolSize, ServiceConfig
 from .errors import (
+    ArgumentTypeError,
+    ArgumentValueError,
     ConfigError,
     DsaAsyncError,
     HostBudgetExceeded,
@@ -25,6 +27,7 @@ from .errors import (
     TransferFailedError,
     UnknownHostPagesError,
     UnsupportedSettingError,
+    WrongThreadError,
 )
 from .front_door.service import OffloadService, ServiceStatistics
 from .geometry import HostLayout, KvDtype, PageGeometry, dsa_indexer, mla_kv
@@ -37,10 +40,10 @@ __all__ = [
     "HostLayout", "HostPages", "KvDtype", "OffloadService", "PageGeometry", "Pages", "PoolSize",
     "ServiceConfig", "ServiceStatistics", "Transfer", "TransferResult", "dsa_indexer", "mla_kv",
     # errors
-    "ConfigError", "DsaAsyncError", "HostBudgetExceeded", "HostPoolExhausted", "IndexTypeError",
-    "IndexValueError", "LedgerError", "LivenessViolation", "PageAlignmentError",
-    "PagesInFlightError", "QueueFullError", "ServiceClosedError", "TransferFailedError",
-    "UnknownHostPagesError", "UnsupportedSettingError",
+    "ArgumentTypeError", "ArgumentValueError", "ConfigError", "DsaAsyncError",
+    "HostBudgetExceeded", "HostPoolExhausted", "IndexTypeError", "IndexValueError", "LedgerError",
+    "LivenessViolation", "PageAlignmentError", "PagesInFlightError", "QueueFullError", "ServiceClosedError", "TransferFailedError",
+    "UnknownHostPagesError", "UnsupportedSettingError", "WrongThreadError",
 ]
 
 _install_moved(__name__)  # the import paths of modules that moved keep working

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -57,6 +58,12 @@ def _check_seconds(name: str, value: object) -> None:
         raise ConfigError(f"ServiceConfig.{name} must be a positive finite number, got {value}")
 
 
+def _check_path(name: str, value: object) -> None:
+    if value is not None and not isinstance(value, (str, os.PathLike)):
+        raise ConfigError(f"ServiceConfig.{name} must be a directory path (str or os.PathLike) "
+                          f"or None, got {value!r} ({type(value).__name__})")
+
+
 @dataclass(frozen=True)
 class ServiceConfig:
     """What the service needs to know. Validates types and ranges; probes nothing.
@@ -107,6 +114,8 @@ class ServiceConfig:
         if self.reserve_bytes is not None:
             _check_int("reserve_bytes", self.reserve_bytes, 0)
         _check_int("device_staging_bytes", self.device_staging_bytes, 1)
+        for name in ("budget_root", "ledger_directory"):
+            _check_path(name, getattr(self, name))
         widest_row = max(g.bytes_per_page_per_layer for g in geometries)
         if self.device_staging_bytes < 2 * widest_row:  # two halves of one page row each
             raise ConfigError(

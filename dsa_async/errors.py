@@ -32,6 +32,17 @@ class IndexTypeError(DsaAsyncError, TypeError):
     """An index argument has the wrong type, dtype or device."""
 
 
+class ArgumentTypeError(DsaAsyncError, TypeError):
+    """An argument other than an index has the wrong type: a release of something that is not
+    a ``HostPages`` handle, an ``after=`` producer the backend cannot wait for, a layer, page
+    count or timeout that is not a number."""
+
+
+class ArgumentValueError(DsaAsyncError, ValueError):
+    """An argument other than an index is out of range: a layer the service does not have, a
+    negative or NaN timeout, a page count below one."""
+
+
 class PageAlignmentError(DsaAsyncError, ValueError):
     """Host and device tokens of a pair do not share their in-page offset, or a page maps twice."""
 
@@ -68,6 +79,11 @@ class ServiceClosedError(DsaAsyncError, RuntimeError):
 
 class TransferFailedError(DsaAsyncError, RuntimeError):
     """A copy batch failed; ``__cause__`` holds the original exception."""
+
+
+class WrongThreadError(DsaAsyncError, RuntimeError):
+    """A call made on a thread it must not run on: a blocking wait on a thread that runs an
+    event loop (it would stall the loop), or a blocking runner called on its own loop thread."""
 
 
 class LedgerError(DsaAsyncError, RuntimeError):

@@ -16,9 +16,12 @@ import torch
 from fake_roots import GIB, make_root
 from service_fixtures import PAGE, make_service, tokens
 
+from dsa_async import Pages
 from dsa_async.cli import main as cli_main
 from dsa_async.config import PoolSize, ServiceConfig
 from dsa_async.errors import (
+    ArgumentTypeError,
+    ArgumentValueError,
     ConfigError,
     HostBudgetExceeded,
     HostPoolExhausted,
@@ -108,6 +111,69 @@ async def held_by_a_copy(service, ctx):
     return host
 
 
+async def service_owned(service, ctx):
+    """A handle the service took over: a backup into pages it placed, cancelled while its copy
+    ran, whose pages a later copy still uses (the service frees them when that copy ends)."""
+    gate, later_gate = threading.Event(), threading.Event()
+    backup = service.evict(tokens([0]), after=gate)
+    while backup.host_pages is None:  # placed once its copy is submitted
+        await asyncio.sleep(0.001)
+    handle = backup.host_pages
+    backup.cancel()  # its copy waits for the gate: it is cancelled once the copy ends
+    later = service.evict(tokens([1]), host_tokens=handle.token_indices(), after=later_gate)
+    gate.set()
+    with pytest.raises(asyncio.CancelledError):
+        await backup
+
+    async def finish():
+        later_gate.set()
+        await later
+
+    ctx.cleanups.append(finish)
+    return handle
+
+
+async def eviction(service, ctx):
+    backup = service.evict(tokens([0]))
+    result = await backup
+    ctx.cleanups.append(_released(service, result.host_pages))
+    return backup
+
+
+async def prefetch(service, ctx):
+    host = service.allocate_host_pages(1)
+    gate = threading.Event()
+    load = service.prefetch(host, tokens([0]), after=gate)
+
+    async def finish():
+        gate.set()
+        await load
+        service.release(host)
+
+    ctx.cleanups.append(finish)
+    return load
+
+
+def _released(service, host):
+    async def release():
+        service.release(host)
+    return release
+
+
+async def _start_with(ctx, *, device: str = "cpu", pages: int = 2):
+    geometry = dsa_indexer(num_layers=2)
+    buffers = [torch.zeros(pages, geometry.bytes_per_page_per_layer, dtype=torch.uint8,
+                           device=device) for _ in range(2)]
+    config = ServiceConfig(geometries=(geometry,), host_pool=PoolSize(pages=4), backend="cpu",
+                           ledger_directory=str(ctx.tmp_path / "start-ledger"))
+    service = OffloadService(config, buffers)
+    try:
+        await service.start()
+    finally:
+        await service.close()
+        assert HostLedger(ctx.tmp_path / "start-ledger").entries() == ()
+
+
 class _HasWait:
     """Has a wait() but is not a producer of any backend (an asyncio-style coroutine wait)."""
 
@@ -157,6 +223,26 @@ CASES = [
          IndexValueError, ("device_tokens[1] = -1", "start at 0")),
     Case("prefetch-negative", lambda s, h: s.prefetch(h, torch.tensor([-1])), IndexValueError,
          ("device_tokens[0] = -1", "start at 0"), setup=allocated),
+    # index containers whose values are not what they look like
+    Case("masked-array", lambda s, _: s.evict(np.ma.array([1, 10**12], mask=[False, True])),
+         IndexTypeError, ("masked array", ".compressed()")),
+    Case("masked-pages", lambda s, _: s.evict(Pages(np.ma.array([1, 2], mask=[False, True]))),
+         IndexTypeError, ("device_tokens.pages is a masked array",)),
+    Case("bit-dtype", lambda s, _: s.evict(torch.empty(2, dtype=torch.bits8)), IndexTypeError,
+         ("torch.bits8", ".long()")),
+    Case("sparse-tensor", lambda s, _: s.evict(torch.tensor([1, 2]).to_sparse()),
+         IndexTypeError, ("sparse", ".to_dense()")),
+    Case("huge-range", lambda s, _: s.evict(range(0, 2**62)), IndexValueError,
+         (f"device_tokens[{DEVICE_PAGES * PAGE}] = {DEVICE_PAGES * PAGE}",
+          f"valid 0..{DEVICE_PAGES * PAGE - 1}")),
+    Case("huge-pages-range", lambda s, _: s.evict(Pages(range(5, 2**62, 3))), IndexValueError,
+         ("device_tokens.pages[7] = 26", f"valid 0..{DEVICE_PAGES - 1}")),
+    Case("descending-range-below-zero", lambda s, _: s.evict(range(3, -9, -2)), IndexValueError,
+         ("device_tokens[2] = -1", "start at 0")),
+    Case("int-past-int64", lambda s, _: s.evict([0, 2**64]), IndexValueError,
+         (f"device_tokens[1] = {2**64}", "out of range")),
+    Case("bool-in-a-list", lambda s, _: s.evict([0, True]), IndexTypeError,
+         ("device_tokens[1] = True", "bool")),
     # pairs
     Case("pair-lengths", lambda s, h: s.evict(tokens([0, 1]), host_tokens=h.token_indices()[:100]),
          IndexValueError, ("host_tokens has 100 entries", "device_tokens has 128", "same length"),
@@ -184,27 +270,55 @@ CASES = [
          ("already released", "release it once"), setup=released),
     Case("release-in-flight", lambda s, h: s.release(h), PagesInFlightError,
          ("1 of its 1 pages are in flight", "await the transfer"), setup=held_by_a_copy),
+    Case("release-not-a-handle", lambda s, h: s.release(h.token_indices()), ArgumentTypeError,
+         ("HostPages handle", "got Tensor"), setup=allocated),
+    Case("release-none", lambda s, _: s.release(None), ArgumentTypeError,
+         ("HostPages handle", "got NoneType")),
+    Case("release-threadsafe-not-a-handle", lambda s, h: s.release_threadsafe([h]),
+         ArgumentTypeError, ("HostPages handle", "got list"), setup=allocated),
+    Case("prefetch-service-owned-handle", lambda s, h: s.prefetch(h, tokens([0])),
+         UnknownHostPagesError, ("frees itself",), setup=service_owned),
+    Case("host-tokens-service-owned", lambda s, h: s.evict(
+        tokens([2]), host_tokens=h.token_indices()), UnknownHostPagesError,
+        ("host page", "allocation was released", "live allocation"), setup=service_owned),
+    # waits
+    Case("wait-layer-of-an-eviction", lambda s, t: t.wait_layer(0), ArgumentTypeError,
+         ("belongs to prefetches",), setup=eviction),
+    Case("wait-layer-float", lambda s, t: t.wait_layer(1.0), ArgumentTypeError,
+         ("layer must be an int", "float"), setup=prefetch),
+    Case("wait-layer-out-of-range", lambda s, t: t.wait_layer(3), ArgumentValueError,
+         ("layer 3 is out of range", "(0..2)"), setup=prefetch),
+    Case("wait-timeout-type", lambda s, t: t.wait(timeout_s="1"), ArgumentTypeError,
+         ("timeout_s", "'1'"), setup=prefetch),
+    Case("wait-timeout-negative", lambda s, t: t.wait_layer(0, timeout_s=-1), ArgumentValueError,
+         ("timeout_s", ">= 0", "-1"), setup=prefetch),
+    Case("wait-timeout-nan", lambda s, t: t.wait_layer(0, timeout_s=float("nan")),
+         ArgumentValueError, ("timeout_s", "nan"), setup=prefetch),
     # sizes and scalars
-    Case("allocate-zero", lambda s, _: s.allocate_host_pages(0), IndexValueError,
-         ("got 0", "positive int")),
-    Case("allocate-negative", lambda s, _: s.allocate_host_pages(-1), IndexValueError,
-         ("got -1", "positive int")),
+    Case("allocate-zero", lambda s, _: s.allocate_host_pages(0), ArgumentValueError,
+         ("got 0", "at least 1")),
+    Case("allocate-negative", lambda s, _: s.allocate_host_pages(-1), ArgumentValueError,
+         ("got -1", "at least 1")),
+    Case("allocate-not-an-int", lambda s, _: s.allocate_host_pages(2.0), ArgumentTypeError,
+         ("got 2.0", "must be an int")),
     Case("allocate-too-many", lambda s, _: s.allocate_host_pages(HOST_PAGES + 1),
          HostPoolExhausted, (f"needed {HOST_PAGES + 1}", f"capacity {HOST_PAGES}",
                              "raise ServiceConfig.host_pool")),
-    Case("priority-type", lambda s, _: s.evict(tokens([0]), priority="high"), IndexTypeError,
+    Case("priority-type", lambda s, _: s.evict(tokens([0]), priority="high"), ArgumentTypeError,
          ("'high'", "must be an int")),
     Case("deadline-inf", lambda s, h: s.prefetch(h, tokens([0, 1]), deadline_s=float("inf")),
-         IndexValueError, ("inf", "finite number of seconds"), setup=allocated),
-    Case("after-not-a-producer", lambda s, _: s.evict(tokens([0]), after="kernel"), TypeError,
+         ArgumentValueError, ("inf", "finite number of seconds"), setup=allocated),
+    Case("deadline-type", lambda s, h: s.prefetch(h, tokens([0, 1]), deadline_s="soon"),
+         ArgumentTypeError, ("'soon'", "finite number of seconds"), setup=allocated),
+    Case("after-not-a-producer", lambda s, _: s.evict(tokens([0]), after="kernel"), ArgumentTypeError,
          ("after='kernel'", "threading.Event", "concurrent.futures.Future", "Transfer",
           "asyncio.Event", "list/tuple")),
     Case("after-an-object-with-wait", lambda s, _: s.evict(tokens([0]), after=_HasWait()),
-         TypeError, ("_HasWait", "threading.Event")),
+         ArgumentTypeError, ("_HasWait", "threading.Event")),
     Case("after-in-a-list", lambda s, _: s.evict(tokens([0]), after=[threading.Event(), 3]),
-         TypeError, ("after=3", "list/tuple")),
+         ArgumentTypeError, ("after=3", "list/tuple")),
     Case("after-nested", lambda s, _: s.evict(tokens([0]), after=[[threading.Event()]]),
-         TypeError, ("flat list/tuple", "flatten")),
+         ArgumentTypeError, ("flat list/tuple", "flatten")),
     # configuration
     Case("config-backend", lambda ctx: _config(backend="tpu"), ConfigError,
          ("backend='tpu'", "use one of", "'cpu'"), service=False),
@@ -214,6 +328,14 @@ CASES = [
          ("got 5", "PoolSize(pages=...)"), service=False),
     Case("config-timeout", lambda ctx: _config(host_wait_timeout_s=-1), ConfigError,
          ("host_wait_timeout_s", "got -1", "positive finite"), service=False),
+    Case("config-ledger-path", lambda ctx: _config(ledger_directory=5), ConfigError,
+         ("ledger_directory", "directory path", "got 5"), service=False),
+    Case("config-budget-root", lambda ctx: _config(budget_root=b"/proc"), ConfigError,
+         ("budget_root", "directory path", "bytes"), service=False),
+    Case("config-device-elsewhere", lambda ctx: _start_with(ctx, device="meta"), ConfigError,
+         ("device buffers are on meta", "backend 'cuda'"), service=False),
+    Case("config-no-device-pages", lambda ctx: _start_with(ctx, pages=0), ConfigError,
+         ("hold no pages", "at least one page"), service=False),
     Case("config-model", lambda ctx: model_pools("llama"), ConfigError,
          ("'llama'", "deepseek-v3.2"), service=False),
     Case("config-kv-dtype", lambda ctx: mla_kv("fp4"), ConfigError,

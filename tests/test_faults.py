@@ -25,6 +25,7 @@ from dsa_async.front_door.service import OffloadService
 from dsa_async.geometry import dsa_indexer
 from dsa_async.host_memory.ledger import LEDGER_SCHEMA, HostLedger, read_process_start_ticks
 from dsa_async.kinds import Direction
+from dsa_async.transfer.cpu import CpuEngine
 
 BOUND_S = 10
 REPO = Path(__file__).resolve().parents[1]
@@ -118,6 +119,57 @@ async def test_d2h_failure_frees_the_pages_the_service_allocated(tmp_path, expli
         result = await service.evict(tokens([1]))
         service.release(result.host_pages)
         assert service.statistics() == start
+
+
+class _RefusingEngine(CpuEngine):
+    """A CPU engine whose ``submit`` raises while ``refuse`` is set (a device that was lost
+    between two batches), before it takes the batch."""
+
+    refuse = False
+
+    def submit(self, batch):
+        if self.refuse:
+            raise RuntimeError("injected: the engine refused the batch")
+        return super().submit(batch)
+
+
+async def test_a_batch_the_engine_refuses_fails_its_requests_and_leaks_nothing(tmp_path):
+    """Whatever raises while a batch is handed to the engine ends each of its requests failed,
+    with the cause: none stays queued, the service's own host pages go back to the pool, the
+    caller's stay the caller's, and later requests (also of the same pages) run."""
+    service, buffers = make_service(tmp_path, layers=LAYERS)
+    engines = []
+
+    def factory(*args, **kwargs):
+        engines.append(_RefusingEngine(*args, **kwargs))
+        return engines[-1]
+
+    service._engine_factory = factory
+    async with service, asyncio.timeout(BOUND_S):
+        start = service.statistics()
+        host = service.allocate_host_pages(2)
+        held = service.statistics()
+        engines[0].refuse = True
+        placed = service.evict(tokens([1, 2, 5]))  # host pages the service places
+        explicit = service.evict(tokens([3, 4]), host_tokens=host.token_indices())
+        load = service.prefetch(host, tokens([7, 8]))  # needs the explicit backup's bytes
+        for transfer in (placed, explicit):
+            with pytest.raises(TransferFailedError, match="could not be handed") as failed:
+                await transfer
+            assert "injected: the engine refused" in str(failed.value.__cause__)
+        with pytest.raises(TransferFailedError, match="failed; it did not run"):
+            await load  # its backup never ran
+        await asyncio.sleep(0)  # the pass after the failures publishes the gauges
+        assert service.statistics() == held  # nothing queued or in flight; pages returned
+        engines[0].refuse = False
+        backup = await service.evict(tokens([1, 2]))
+        await service.prefetch(backup.host_pages, tokens([7, 8]))
+        for layer in buffers["indexer"]:
+            assert torch.equal(layer[7:9], layer[1:3])
+        service.release(backup.host_pages)
+        service.release(host)
+        assert service.statistics() == start
+    assert _ledger_entries(tmp_path) == ()
 
 
 async def test_a_raising_done_callback_is_reported_and_breaks_nothing(tmp_path):

@@ -29,9 +29,9 @@ from service_fixtures import make_service, page_bytes, tokens
 from dsa_async.bench import thread_scenarios
 from dsa_async.bench.measure import MIN_PAIRS
 from dsa_async.bench.runner import BenchConfig, run_bench
-from dsa_async.errors import (HostPoolExhausted, IndexTypeError, IndexValueError,
-                              PageAlignmentError, QueueFullError, ServiceClosedError,
-                              TransferFailedError, UnknownHostPagesError)
+from dsa_async.errors import (ArgumentTypeError, ArgumentValueError, HostPoolExhausted,
+                              IndexTypeError, IndexValueError, PageAlignmentError, QueueFullError,
+                              ServiceClosedError, TransferFailedError, UnknownHostPagesError)
 from dsa_async.kinds import Backend
 
 BOUND_S = 10
@@ -95,11 +95,11 @@ BAD_CALLS = {
     "float tokens": (IndexTypeError, lambda s, h, r: s.evict_threadsafe(torch.zeros(3))),
     "in-page offsets differ": (PageAlignmentError, lambda s, h, r: s.evict_threadsafe(
         torch.tensor([1]), host_tokens=h.token_indices()[:1])),
-    "after= outside the grammar": (TypeError, lambda s, h, r: s.evict_threadsafe(
+    "after= outside the grammar": (ArgumentTypeError, lambda s, h, r: s.evict_threadsafe(
         tokens([1]), after=object())),
-    "nested after=": (TypeError, lambda s, h, r: s.evict_threadsafe(
+    "nested after=": (ArgumentTypeError, lambda s, h, r: s.evict_threadsafe(
         tokens([1]), after=[[threading.Event()]])),
-    "priority not an int": (IndexTypeError, lambda s, h, r: s.evict_threadsafe(
+    "priority not an int": (ArgumentTypeError, lambda s, h, r: s.evict_threadsafe(
         tokens([1]), priority="high")),
     "larger than the pool": (HostPoolExhausted, lambda s, h, r: s.evict_threadsafe(
         tokens(range(20)))),
@@ -109,17 +109,17 @@ BAD_CALLS = {
         h, tokens([1]), host_tokens=h.token_indices())),
     "page counts differ": (IndexValueError, lambda s, h, r: s.prefetch_threadsafe(
         h, tokens([1, 2]))),
-    "deadline not finite": (IndexValueError, lambda s, h, r: s.prefetch_threadsafe(
+    "deadline not finite": (ArgumentValueError, lambda s, h, r: s.prefetch_threadsafe(
         h, tokens([1]), deadline_s=float("nan"))),
     "released handle": (UnknownHostPagesError, lambda s, h, r: s.prefetch_threadsafe(
         r, tokens([1]))),
     "release of a released handle": (UnknownHostPagesError, lambda s, h, r: s.release_threadsafe(
         r)),
-    "release of a non-handle": (TypeError, lambda s, h, r: s.release_threadsafe(
+    "release of a non-handle": (ArgumentTypeError, lambda s, h, r: s.release_threadsafe(
         h.token_indices())),
-    "wait_layer of an eviction": (TypeError, lambda s, h, r: s.evict_threadsafe(
+    "wait_layer of an eviction": (ArgumentTypeError, lambda s, h, r: s.evict_threadsafe(
         tokens([1])).wait_layer(0)),
-    "negative timeout": (ValueError, lambda s, h, r: s.evict_threadsafe(
+    "negative timeout": (ArgumentValueError, lambda s, h, r: s.evict_threadsafe(
         tokens([1])).wait(timeout_s=-1)),
 }
 

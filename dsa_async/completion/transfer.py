@@ -12,12 +12,22 @@ loop.
 from __future__ import annotations
 
 import asyncio
+import operator
+import threading
 import time
 import weakref
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Protocol
 
-from ..errors import ServiceClosedError, TransferFailedError
+import numpy as np
+
+from ..errors import (
+    ArgumentTypeError,
+    ArgumentValueError,
+    ServiceClosedError,
+    TransferFailedError,
+    WrongThreadError,
+)
 from ..host_memory.pool import HostPages
 from ..kinds import H2D, Direction, Timeliness
 from ..scheduling.request import WAITER_LOCK, Request, report_unobserved
@@ -113,16 +123,17 @@ class Transfer:
 
         The wait does not go through the loop: the loop sets a ``threading.Event`` when the
         request ends, made only if a thread waits. Past ``timeout_s`` (``None``: no bound),
-        ``TimeoutError``; the request keeps running. Refused (``RuntimeError``) on a thread
-        that runs an event loop, which it would block: there, ``await`` the transfer.
+        ``TimeoutError``; the request keeps running (an infinite ``timeout_s`` is no bound).
+        Refused (``WrongThreadError``, a ``RuntimeError``) on a thread that runs an event loop,
+        which it would block: there, ``await`` the transfer.
         """
         request = self._request
-        _check_timeout(timeout_s)
+        bound_s = _checked_timeout(timeout_s)
         if not request.future.done():
             if _runs_a_loop():
-                raise RuntimeError("Transfer.wait() blocks its thread, and this thread runs an "
-                                   "event loop: await the transfer instead")
-            if not request.wait_ended(timeout_s):
+                raise WrongThreadError("Transfer.wait() blocks its thread, and this thread runs "
+                                       "an event loop: await the transfer instead")
+            if not request.wait_ended(bound_s):
                 raise TimeoutError(f"the {request.direction.value} of {request.num_pages} "
                                    f"pages did not end within {timeout_s} s (it keeps running)")
         return self.result()
@@ -171,7 +182,7 @@ class Transfer:
     async def layer_ready(self, layer: int) -> None:
         """Wait on the loop until ``layer`` of this prefetch is usable. Never blocks the loop."""
         request = self._request
-        self._check_layer(layer)
+        layer = self._check_layer(layer)
         handle = request.handle
         if handle is not None and layer < handle.layers_ready:
             self._classify(layer, 0.0)
@@ -199,22 +210,23 @@ class Transfer:
         thread.
         """
         request = self._request
-        self._check_layer(layer)
-        _check_timeout(timeout_s)
+        layer = self._check_layer(layer)
+        timeout_s = _checked_timeout(timeout_s)
         waited_from = time.perf_counter()
         started = request.started
         if not started and not request.wait_started(timeout_s):
             raise TimeoutError(f"layer {layer}: the prefetch's copy did not start within "
                                f"{timeout_s} s (it stays queued)")
         handle = request.handle
-        if handle is None:
-            request.observed = True
-            raise ServiceClosedError("the prefetch ended before its copy started "
-                                     "(cancelled, failed or the service closed)")
+        if handle is None:  # it ended before its copy started: its own error says why
+            self.result()  # raises it (CancelledError if it was cancelled)
+            raise ServiceClosedError("the prefetch ended before its copy started")
         start_wait_s = 0.0 if started else time.perf_counter() - waited_from
         if layer < handle.layers_ready:  # already copied (on CUDA: its event completed)
             self._classify(layer, start_wait_s)
             return
+        if request.future.done():  # it ended without this layer (also after close())
+            self.result()  # raises its error
         remaining_s = None if timeout_s is None else max(0.0, timeout_s - start_wait_s)
         # CPU: this thread waited if it blocked at all, for the start or the copy. CUDA: only
         # the consumer's stream waiting counts, and the device decides (not this thread).
@@ -232,13 +244,23 @@ class Transfer:
             request.observed = True
             raise
 
-    def _check_layer(self, layer: int) -> None:
+    def _check_layer(self, layer: object) -> int:
+        """``layer`` as an int (any integer type but bool), checked against the layer count."""
         if self._request.direction is not H2D:
-            raise TypeError("per-layer readiness belongs to prefetches; await the eviction")
+            raise ArgumentTypeError("per-layer readiness belongs to prefetches; this Transfer "
+                                    "is an eviction: await it instead")
         layers = self._scheduler.num_layers
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < layers:
-            raise ValueError(f"layer {layer!r} is out of range: this service has {layers} "
-                             f"layers (0..{layers - 1})")
+        if isinstance(layer, (bool, np.bool_)):
+            raise ArgumentTypeError(f"layer must be an int, got {layer!r}")
+        try:
+            index = operator.index(layer)
+        except TypeError:
+            raise ArgumentTypeError(f"layer must be an int, got {layer!r} "
+                                    f"({type(layer).__name__})") from None
+        if not 0 <= index < layers:
+            raise ArgumentValueError(f"layer {index} is out of range: this service has {layers} "
+                                     f"layers (0..{layers - 1})")
+        return index
 
     def _classify(self, layer: int, waited_s: float) -> None:
         """Count ``layer`` once as on time or late. Any thread (metrics are thread-safe)."""
@@ -286,7 +308,15 @@ def _runs_a_loop() -> bool:
     return True
 
 
-def _check_timeout(timeout_s: object) -> None:
-    if timeout_s is not None and not (isinstance(timeout_s, (int, float))
-                                      and not isinstance(timeout_s, bool) and timeout_s >= 0):
-        raise ValueError(f"timeout_s must be a number of seconds >= 0 or None, got {timeout_s!r}")
+def _checked_timeout(timeout_s: object) -> float | None:
+    """``timeout_s`` as a bound for a thread's wait: ``None`` for no bound (also for an
+    infinite one, or one longer than the platform's waits allow); refuses a non-number, NaN
+    and negative values."""
+    if timeout_s is None:
+        return None
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
+        raise ArgumentTypeError(f"timeout_s must be a number of seconds or None, got "
+                                f"{timeout_s!r} ({type(timeout_s).__name__})")
+    if not timeout_s >= 0:  # negative, or NaN
+        raise ArgumentValueError(f"timeout_s must be >= 0 seconds or None, got {timeout_s!r}")
+    return None if timeout_s > threading.TIMEOUT_MAX else float(timeout_s)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..completion.transfer import Transfer
+from ..errors import ArgumentTypeError
 
 if TYPE_CHECKING:
     from ..scheduling.request import Request
@@ -54,7 +55,7 @@ def parse_after(after: object, *, engine: TransferEngine, scheduler: object,
                 loop: asyncio.AbstractEventLoop) -> Producers:
     """Sort ``after`` (``None``, one producer, or a list/tuple of them) by who waits for it.
 
-    Raises ``TypeError`` (changing nothing) for anything outside the grammar, naming what is
+    Raises ``ArgumentTypeError`` (a ``TypeError``; changing nothing) for anything outside the grammar, naming what is
     accepted. ``scheduler`` tells this service's transfers from another service's. Does not
     block; call it on the submitting thread.
     """
@@ -66,7 +67,7 @@ def parse_after(after: object, *, engine: TransferEngine, scheduler: object,
     loop_items: list[object] = []
     for item in items:
         if isinstance(item, (list, tuple)):
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"after= takes one producer or a flat list/tuple of producers; item {item!r} "
                 f"is itself a sequence: flatten it")
         if isinstance(item, Transfer):
@@ -75,14 +76,14 @@ def parse_after(after: object, *, engine: TransferEngine, scheduler: object,
                 continue
             future = item._request.future
             if future.get_loop() is not loop:
-                raise TypeError(
+                raise ArgumentTypeError(
                     f"after={item!r} is a Transfer of a service on another event loop; a "
                     f"Transfer of another service works only when both run on the same loop "
                     f"(wait for it yourself, then submit)")
             loop_items.append(future)
         elif isinstance(item, asyncio.Future):
             if item.get_loop() is not loop:
-                raise TypeError(f"after={item!r} belongs to another event loop than the service's")
+                raise ArgumentTypeError(f"after={item!r} belongs to another event loop than the service's")
             loop_items.append(item)
         elif isinstance(item, asyncio.Event):
             loop_items.append(item)
@@ -90,7 +91,7 @@ def parse_after(after: object, *, engine: TransferEngine, scheduler: object,
             try:
                 engine_items.append(engine.normalize_after(item))
             except TypeError:
-                raise TypeError(
+                raise ArgumentTypeError(
                     f"after={item!r} is not a producer this service can wait for; the "
                     f"{engine.backend.value} backend accepts {engine.producer_kinds}; every "
                     f"backend accepts {LOOP_PRODUCER_KINDS}; and a list/tuple of these") from None

@@ -35,6 +35,8 @@ from ..completion.result import TransferResult
 from ..completion.transfer import Transfer
 from ..config import ServiceConfig
 from ..errors import (
+    ArgumentTypeError,
+    ArgumentValueError,
     ConfigError,
     HostPoolExhausted,
     IndexTypeError,
@@ -132,6 +134,7 @@ class OffloadService:
         self._max_queued_requests = config.max_queued_requests
         self._state = ServiceState.NEW
         self._closed = asyncio.Event()
+        self._start_ended = asyncio.Event()  # start() returned or raised
         self._scheduler: Scheduler | None = None
         self._pool: HostPool | None = None
         self._engine: TransferEngine | None = None
@@ -162,10 +165,14 @@ class OffloadService:
         try:
             await self._start(loop)
         except BaseException:
-            await self._release_resources()
-            self._state = ServiceState.CLOSED
+            try:
+                await self._release_resources()
+            finally:
+                self._state = ServiceState.CLOSED
+                self._start_ended.set()
             raise
         self._state = ServiceState.RUNNING
+        self._start_ended.set()  # a close() that came meanwhile goes on from here
         return self
 
     async def _start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -225,7 +232,10 @@ class OffloadService:
         """Stop admitting, drain, stop the engine, free the pool and the reservation.
 
         Idempotent. Requests not started within ``drain_timeout_s`` are cancelled; copies
-        already started always complete (never torn)."""
+        already started always complete (never torn). Called while ``start()`` runs, it
+        waits for the start to end, then closes what it started."""
+        if self._state is ServiceState.STARTING:
+            await self._start_ended.wait()
         if self._state is ServiceState.CLOSING:
             await self._closed.wait()
             return
@@ -255,6 +265,10 @@ class OffloadService:
             self._lag_monitor = None
         if self._engine is not None:
             engine, self._engine = self._engine, None
+            # Copies still blocked on a producer fail now instead of holding engine.close():
+            # after a full drain there are none, but a close() that was itself cancelled (a
+            # timeout around it) gets here without one.
+            engine.abandon_waits()
             try:
                 await asyncio.to_thread(engine.close)
             except Exception:  # noqa: BLE001 - logged; the rest must still be returned
@@ -310,7 +324,7 @@ class OffloadService:
         scheduler = self._running()
         transfer, loop_producers = self._prepare_evict(
             scheduler, device_tokens, host_tokens, after, priority, self._captured, on_loop=True)
-        self._accept(scheduler, transfer._request, loop_producers)
+        self._accept_on_loop(scheduler, transfer._request, loop_producers)
         return transfer
 
     def prefetch(self, host: HostPages | None, device_tokens, *, host_tokens=None, after=None,
@@ -328,7 +342,7 @@ class OffloadService:
         transfer, loop_producers = self._prepare_prefetch(
             scheduler, host, device_tokens, host_tokens, after, deadline_s, priority,
             self._captured, on_loop=True)
-        self._accept(scheduler, transfer._request, loop_producers)
+        self._accept_on_loop(scheduler, transfer._request, loop_producers)
         return transfer
 
     # --- requests from threads without an event loop --------------------------------------
@@ -384,8 +398,7 @@ class OffloadService:
         (a short lock).
         """
         scheduler = self._running()
-        if not isinstance(host, HostPages):
-            raise TypeError(f"expected HostPages, got {type(host).__name__}")
+        _check_handle(host)
         self._inbox.post_release(host, scheduler.check_releasable)
 
     @property
@@ -408,7 +421,7 @@ class OffloadService:
             if posted.host_check is HostCheck.HANDLE:
                 scheduler.check_releasable(posted.handle)
             elif posted.host_check is HostCheck.ALLOCATED:
-                self._pool.check_allocated(request.host_pages, name="host_tokens")
+                scheduler.check_host_tokens(request.host_pages, "host_tokens")
         except UnknownHostPagesError as exc:
             error = exc
         if error is None and not request.cancel_requested:
@@ -476,7 +489,7 @@ class OffloadService:
         host_pages = paired_host_pages(on_device, host_tokens, self._host_token_bound,
                                        self._page_size_tokens)
         if on_loop:
-            self._pool.check_allocated(host_pages, name="host_tokens")
+            self._scheduler.check_host_tokens(host_pages, "host_tokens")
         return host_pages
 
     def _paired(self, host_tokens, device_tokens, on_loop: bool
@@ -488,7 +501,7 @@ class OffloadService:
             host_tokens, device_tokens, host_bound=self._host_token_bound,
             device_bound=self._device_token_bound, page_size_tokens=self._page_size_tokens)
         if on_loop:
-            self._pool.check_allocated(host_pages, name="host_tokens")
+            self._scheduler.check_host_tokens(host_pages, "host_tokens")
         return host_pages, device_pages, padding
 
     def _prepare_prefetch(self, scheduler: Scheduler, host: HostPages | None, device_tokens,
@@ -508,12 +521,12 @@ class OffloadService:
                     f"host must be a HostPages handle, got {type(host).__name__}; a bare "
                     f"tensor is ambiguous (tokens or pages?): pass host_tokens=tensor instead")
             device_pages, padding, num_pages = self._device_side(device_tokens, on_device)
-            if on_loop:
-                self._pool.check_owned(host)
-            else:  # two lookups, safe off the loop; the loop checks again when it accepts
-                if self._engine is None:  # a thread that raced close(): the pool may be gone
-                    raise ServiceClosedError("the service is closing or closed")
-                scheduler.check_releasable(host)
+            if not on_loop and self._engine is None:  # a thread that raced close()
+                raise ServiceClosedError("the service is closing or closed")
+            # The caller's live allocation, not pages the service took over (a backup it
+            # placed that failed or was cancelled, a handle released while copies used it).
+            # Two lookups, safe off the loop; the loop checks again when it accepts.
+            scheduler.check_releasable(host)
             self._inbox.refuse_if_release_posted(host)  # the loop has not taken it yet
             if num_pages != host.num_pages:
                 raise IndexValueError(
@@ -527,12 +540,15 @@ class OffloadService:
             device_pages, padding = _EMPTY, 0
         if deadline_s is None:
             deadline = NO_DEADLINE
-        elif isinstance(deadline_s, (int, float)) and not isinstance(deadline_s, bool) and \
-                math.isfinite(deadline_s):
+        elif isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float)):
+            raise ArgumentTypeError(f"deadline_s must be a finite number of seconds or None, "
+                                    f"got {deadline_s!r} ({type(deadline_s).__name__})")
+        elif math.isfinite(deadline_s):
             # On a thread, seconds from submission: the loop's clock is read on the loop.
             deadline = self._loop.time() + deadline_s if on_loop else float(deadline_s)
         else:
-            raise IndexValueError(f"deadline_s must be a finite number of seconds, got {deadline_s!r}")
+            raise ArgumentValueError(f"deadline_s must be a finite number of seconds or None, "
+                                     f"got {deadline_s!r}")
         return self._prepare(scheduler, H2D, device_pages, host_pages, False,
                              after, priority, deadline, padding, captured, on_loop, on_device)
 
@@ -548,7 +564,7 @@ class OffloadService:
         :meth:`_accept` watches."""
         if type(priority) is not int and (isinstance(priority, bool)
                                           or not isinstance(priority, int)):
-            raise IndexTypeError(f"priority must be an int, got {priority!r}")
+            raise ArgumentTypeError(f"priority must be an int, got {priority!r}")
         queued = scheduler.queued_requests if on_loop else (
             scheduler.queued_requests + len(self._inbox))  # what threads posted counts too
         if queued >= self._max_queued_requests:
@@ -584,6 +600,16 @@ class OffloadService:
             request.deps = tuple((dep, True) for dep in producers.deps)
         return Transfer(request, scheduler), producers.loop
 
+    def _accept_on_loop(self, scheduler: Scheduler, request: Request,
+                        loop_producers: tuple[object, ...]) -> None:
+        """:meth:`_accept` for a loop submission. One that names in ``after=`` a Transfer a
+        thread handed over and the loop has not taken yet takes the threads' hand-offs first
+        (they were made before it): that request is then in the page table before this one,
+        which follows it, instead of the two waiting for each other."""
+        if request.deps and any(dep.state is POSTED for dep, _ in request.deps):
+            self._inbox.drain()
+        self._accept(scheduler, request, loop_producers)
+
     @staticmethod
     def _accept(scheduler: Scheduler, request: Request, loop_producers: tuple[object, ...]
                 ) -> None:
@@ -599,16 +625,19 @@ class OffloadService:
         """Return host pages to the pool now. Raises ``PagesInFlightError`` (changing nothing)
         while a copy reads or writes them, ``UnknownHostPagesError`` for a stale handle."""
         scheduler = self._running()
-        if isinstance(host, HostPages):  # a thread may have released it already
-            self._inbox.refuse_if_release_posted(host)
+        _check_handle(host)
+        self._inbox.refuse_if_release_posted(host)  # a thread may have released it already
         scheduler.release_host(host)
         scheduler.schedule_flush()  # evictions waiting for space may go now; gauges follow
 
     def allocate_host_pages(self, num_pages: int) -> HostPages:
         """Take ``num_pages`` host pages for callers that manage host slots themselves."""
         self._running()
-        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages <= 0:
-            raise IndexValueError(f"num_pages must be a positive int, got {num_pages!r}")
+        if isinstance(num_pages, bool) or not isinstance(num_pages, int):
+            raise ArgumentTypeError(f"num_pages must be an int, got {num_pages!r} "
+                                    f"({type(num_pages).__name__})")
+        if num_pages <= 0:
+            raise ArgumentValueError(f"num_pages must be at least 1, got {num_pages}")
         handle = self._pool.allocate(num_pages)
         if handle is None:
             stats = self._pool.statistics()
@@ -661,3 +690,11 @@ class OffloadService:
 
 #: The request methods whose default producer ``call_threadsafe`` captures on the caller's thread.
 _SUBMIT_METHODS = (OffloadService.evict, OffloadService.prefetch)
+
+
+def _check_handle(host: object) -> None:
+    """Raise ``ArgumentTypeError`` unless ``host`` is a ``HostPages`` handle."""
+    if not isinstance(host, HostPages):
+        raise ArgumentTypeError(
+            f"release takes the HostPages handle of an allocation (a backup's "
+            f"result.host_pages, or allocate_host_pages()), got {type(host).__name__}")

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..errors import PagesInFlightError, UnknownHostPagesError
+from ..errors import ArgumentTypeError, PagesInFlightError, UnknownHostPagesError
 from ..geometry import HostLayout, PageGeometry
 from ..paging.runs import PageSeq, page_tokens
 from .extents import ExtentAllocator
@@ -164,7 +164,7 @@ class HostPool:
     def check_owned(self, handle: HostPages) -> None:
         """Raise ``UnknownHostPagesError`` unless ``handle`` is a live allocation of this pool."""
         if not isinstance(handle, HostPages):
-            raise TypeError(f"expected HostPages, got {type(handle).__name__}")
+            raise ArgumentTypeError(f"expected a HostPages handle, got {type(handle).__name__}")
         if self._live.get(handle.allocation_id) != handle.runs:
             raise UnknownHostPagesError(
                 f"{handle!r} is not held by this pool: it was already released or comes from "

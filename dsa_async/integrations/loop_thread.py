@@ -25,6 +25,7 @@ from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
 from ..config import ServiceConfig
+from ..errors import WrongThreadError
 from ..front_door.service import OffloadService
 
 log = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ class ServiceThread:
         """Run ``make()`` (a coroutine) on the service's loop and block the calling thread for
         its result, at most ``timeout_s``. Never call it on the loop thread."""
         if threading.current_thread() is self._thread:
-            raise RuntimeError("ServiceThread.run() blocks; it was called on the loop thread")
+            raise WrongThreadError("ServiceThread.run() blocks; it was called on the loop thread")
         return asyncio.run_coroutine_threadsafe(make(), self.loop).result(timeout_s)
 
     def stop(self, timeout_s: float | None = None) -> None:

@@ -304,7 +304,12 @@ def checked_index_array(value: IndexLike, *, name: str, upper_bound: int | None 
                 f"{name} is on device {value.device}; index tensors must be on the CPU "
                 f"(the page table is kept on the host): pass {name}.cpu()"
             )
-        if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+        if value.layout is not torch.strided or value.is_nested:
+            raise IndexTypeError(
+                f"{name} is a {'nested' if value.is_nested else str(value.layout)} tensor; "
+                f"index tensors must be dense: pass {name}.to_dense()"
+            )
+        if value.dtype not in _TORCH_INTEGER_DTYPES:
             raise IndexTypeError(
                 f"{name} has dtype {value.dtype}; token and page indices must be integers: "
                 f"pass {name}.long()"
@@ -316,20 +321,20 @@ def checked_index_array(value: IndexLike, *, name: str, upper_bound: int | None 
             )
         array = value.numpy()
     elif isinstance(value, np.ndarray):
-        array = value
+        if isinstance(value, np.ma.MaskedArray):
+            raise IndexTypeError(
+                f"{name} is a masked array; its masked entries have no index to copy: pass "
+                f"{name}.compressed() (the unmasked values) or {name}.filled(value)"
+            )
+        array = np.asarray(value)  # a subclass (a memmap) as a plain array
         if array.dtype.kind not in "iu":
             raise IndexTypeError(
                 f"{name} has dtype {array.dtype}; token and page indices must be integers"
             )
-    elif isinstance(value, (Sequence, range)) and not isinstance(value, (str, bytes)):
-        try:
-            array = np.asarray(value, dtype=np.int64)
-        except (TypeError, ValueError, OverflowError) as exc:
-            raise IndexTypeError(f"{name} must hold integers only: {exc}") from None
-        if array.ndim == 1 and len(value) and not all(
-            isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value
-        ):
-            raise IndexTypeError(f"{name} must hold integers only, got {list(value)[:4]!r}...")
+    elif type(value) is range:
+        array = _range_array(value, name, upper_bound, unit)
+    elif isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        array = _sequence_array(value, name, upper_bound, unit)
     else:
         raise IndexTypeError(
             f"{name} must be a 1-D integer tensor, numpy array or sequence of ints, "
@@ -362,6 +367,60 @@ def checked_index_array(value: IndexLike, *, name: str, upper_bound: int | None 
 
 
 _INT64_MAX = np.iinfo(np.int64).max
+_INT64_MIN = np.iinfo(np.int64).min
+#: torch dtypes accepted for indices (quantized, bit-packed and float dtypes are not).
+_TORCH_INTEGER_DTYPES = frozenset(
+    getattr(torch, name) for name in (
+        "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64")
+    if hasattr(torch, name))
+
+
+def _range_array(value: range, name: str, upper_bound: int | None, unit: str) -> np.ndarray:
+    """A ``range``'s values as ``int64 [n]``, its bounds checked first from its ends (O(1)):
+    a range far past the end is refused without being materialised, naming the same first
+    bad element as the check of the same values as an array."""
+    if value:
+        step = value.step
+        if min(value[0], value[-1]) < 0:  # the first negative value
+            at = 0 if value[0] < 0 else value[0] // -step + 1
+            raise IndexValueError(f"{name}[{at}] = {value[at]} is negative; indices start at 0")
+        bound = _INT64_MAX + 1 if upper_bound is None else upper_bound
+        if max(value[0], value[-1]) >= bound:  # the first value at or past the bound
+            at = max(0, -((value[0] - bound) // step)) if step > 0 else 0
+            raise _out_of_range(name, at, value[at], upper_bound, unit)
+    return np.arange(value.start, value.stop, value.step, dtype=np.int64)
+
+
+def _sequence_array(value: Sequence, name: str, upper_bound: int | None,
+                    unit: str) -> np.ndarray:
+    """A sequence of ints as an ``int64`` array (a nested one comes back with more than one
+    dimension, for the caller's shape check). Anything but ints (bools included) is an
+    ``IndexTypeError`` naming the first such element; an int outside int64 an
+    ``IndexValueError`` naming it."""
+    try:
+        array = np.asarray(value, dtype=np.int64)
+    except OverflowError:
+        _raise_if_not_ints(value, name)
+        at = next((i for i, v in enumerate(value) if not _INT64_MIN <= int(v) <= _INT64_MAX),
+                   None)
+        if at is None:
+            raise
+        if int(value[at]) < 0:
+            raise IndexValueError(
+                f"{name}[{at}] = {int(value[at])} is negative; indices start at 0") from None
+        raise _out_of_range(name, at, int(value[at]), upper_bound, unit) from None
+    except (TypeError, ValueError) as exc:
+        raise IndexTypeError(f"{name} must hold integers only: {exc}") from None
+    if array.ndim == 1:
+        _raise_if_not_ints(value, name)
+    return array
+
+
+def _raise_if_not_ints(value: Sequence, name: str) -> None:
+    for at, v in enumerate(value):
+        if not isinstance(v, (int, np.integer)) or isinstance(v, (bool, np.bool_)):
+            raise IndexTypeError(f"{name} must hold integers only: {name}[{at}] = {v!r} is a "
+                                 f"{type(v).__name__}")
 
 
 def _out_of_range(name: str, at: int, value: int, upper_bound: int | None,

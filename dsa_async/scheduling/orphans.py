@@ -28,6 +28,15 @@ class Orphans:
     def __bool__(self) -> bool:
         return bool(self._handles)
 
+    def first_owned(self, pages: PageSeq) -> int | None:
+        """The first of ``pages`` that an orphan holds, or ``None``."""
+        owner = self._owner_of_page
+        if owner:
+            for page in pages:
+                if page in owner:
+                    return page
+        return None
+
     def free_when_unused(self, handle: HostPages, pool: HostPool) -> None:
         """Return ``handle``'s pages to ``pool`` now if no queued or running copy uses them;
         else keep it until the last such copy ends (:meth:`free_sharing`)."""

@@ -29,7 +29,7 @@ from ..errors import (
 from ..host_memory.pool import HostPages, HostPool
 from ..kinds import CANCELLED, D2H, DONE, FAILED, H2D, Direction, Outcome, Timeliness
 from ..observability.metrics import ServiceMetrics
-from ..paging.runs import concat_pages
+from ..paging.runs import PageSeq, concat_pages
 from ..transfer.base import TransferEngine
 from ..transfer.batch import BatchHandle, CopyBatch, Dependency
 from .hazards import HazardTable
@@ -81,6 +81,10 @@ class Scheduler:
         #: host pages to free once the copies still using them end (not the caller's to release)
         self._orphans = Orphans(self.hazards)
         self._pressure_tasks: set[asyncio.Task] = set()
+        #: host pages the last pass over the backups lacked (the flush asks the hook for them)
+        self._host_shortage_pages = 0
+        #: (pages needed, free pages) when the hook was last called for the current shortage
+        self._asked_for: tuple[int, int] | None = None
         self._flush_handle: asyncio.Handle | None = None
         self._expiry_handle: asyncio.TimerHandle | None = None
         self._published_at = -math.inf
@@ -131,16 +135,26 @@ class Scheduler:
 
     def _flush(self) -> None:
         self._flush_handle = None
+        if self.pool is None:  # detached at close (a late callback, e.g. a pressure hook's)
+            return
         queues = self.queues
         progress = True
         while progress:  # a submitted backup can make a queued prefetch ready
             progress = False
+            self._host_shortage_pages = 0  # what the last pass lacked is what counts
             for direction in (H2D, D2H):
                 chosen = self._take_ready(direction)
                 if chosen:
                     self._submit(direction, chosen)
                     progress = bool(queues[H2D] or queues[D2H])  # else nothing is left to try
         self.publish_state()
+        # The caller's hook runs last, once what this pass chose is in the engine: whatever
+        # it does (release pages, cancel a request) meets only settled requests.
+        shortage, self._host_shortage_pages = self._host_shortage_pages, 0
+        if shortage:
+            self._ask_for_host_pages(shortage)
+        else:
+            self._asked_for = None  # no shortage now: the next one is news to the hook
 
     def _take_ready(self, direction: Direction) -> list[Request]:
         queue = self.queues[direction]
@@ -153,6 +167,7 @@ class Scheduler:
         busy = self.inflight_bytes[direction] > 0
         chosen: list[Request] = []
         kept: list[Request] = []
+        short: list[Request] = []  # backups that found too few free host pages
         pages_needed = 0
         full = False
         # Backups into service-chosen host pages: how many pages the rest of the queue asks
@@ -183,6 +198,7 @@ class Scheduler:
                     ahead = min(fresh_left, max(0, (room - request.nbytes) // self.bytes_per_page))
                     if not self._allocate_host(request, ahead):
                         pages_needed += request.num_pages
+                        short.append(request)
                         kept.append(request)
                         continue
                 chosen.append(request)
@@ -190,13 +206,21 @@ class Scheduler:
         finally:
             self.pool.end_batch()
         self.queues[direction] = kept
-        if pages_needed:
-            self._ask_for_host_pages(pages_needed)
+        if direction is D2H:
+            self._host_shortage_pages = pages_needed  # the flush asks the hook, once, at its end
+            if len(self._host_wait_since) > len(short):
+                # Backups held back now for another reason (in-flight bytes, a dependency, a
+                # producer) wait for that, not for host pages: their host-wait clock stops.
+                waiting = set(short)
+                for request in [r for r in self._host_wait_since if r not in waiting]:
+                    del self._host_wait_since[request]
         return chosen
 
     @staticmethod
-    def _failed_data_dependency(request: Request) -> BaseException | None:
-        """The error of a finished request this one needs (its backup, or its ``after=``)."""
+    def _failed_data_dependency(request: Request, copied: bool = False
+                                ) -> BaseException | None:
+        """The error of a finished request this one needs (its backup, or its ``after=``);
+        ``copied``: this request's copy ran (its dependency was cancelled meanwhile)."""
         for dep, needs_data in request.deps:
             if needs_data and dep.state is FINISHED and (
                 dep.future.cancelled() or dep.future.exception() is not None
@@ -205,7 +229,9 @@ class Scheduler:
                     f"request {dep.seq} ({dep.direction.value}), which this "
                     f"{request.direction.value} of {request.num_pages} pages needs (the backup "
                     f"whose host pages it reads, or a Transfer named in after=), "
-                    f"{'was cancelled' if dep.future.cancelled() else 'failed'}; it did not run")
+                    f"{'was cancelled' if dep.future.cancelled() else 'failed'}; "
+                    + ("its copy ran, but what it wrote counts as unknown" if copied
+                       else "it did not run"))
                 if not dep.future.cancelled():
                     error.__cause__ = dep.future.exception()
                 return error
@@ -254,15 +280,26 @@ class Scheduler:
                     deps[dep.handle] = deps.get(dep.handle, False) or needs_data
             if request.after:
                 after.extend(request.after)
-        batch = CopyBatch(
-            direction,
-            concat_pages([r.host_pages for r in requests], offset),
-            concat_pages([r.device_pages for r in requests], offset),
-            deps=tuple(Dependency(h, n) for h, n in deps.items()),
-            after=tuple(after),
-            device_indices=requests[0].device_indices,  # such a request is alone in its batch
-        )
-        handle = self.engine.submit(batch)
+        try:
+            batch = CopyBatch(
+                direction,
+                concat_pages([r.host_pages for r in requests], offset),
+                concat_pages([r.device_pages for r in requests], offset),
+                deps=tuple(Dependency(h, n) for h, n in deps.items()),
+                after=tuple(after),
+                device_indices=requests[0].device_indices,  # such a request is alone
+            )
+            handle = self.engine.submit(batch)
+        except Exception as exc:  # noqa: BLE001 - each request ends with it, nothing is stuck
+            # The requests left the queue: they end here, failed, returning what they hold
+            # (service-chosen host pages included), instead of staying queued for ever.
+            for request in requests:
+                failure = TransferFailedError(
+                    f"{direction.value} copy of {request.num_pages} pages could not be handed "
+                    f"to the copy engine: {exc!r}; it did not run")
+                failure.__cause__ = exc
+                self.finish(request, FAILED, error=failure)
+            return
         self._batches[handle] = requests
         nbytes = 0
         pending_layers = self._pending_layers
@@ -303,6 +340,11 @@ class Scheduler:
                 failure = TransferFailedError(
                     f"{direction.value} copy of {request.num_pages} pages failed: {error!r}")
                 failure.__cause__ = error
+            elif request.deps and (failure := self._failed_data_dependency(
+                    request, copied=True)) is not None:
+                # What it needs was cancelled while both were in the engine: it fails as it
+                # would have had that happened while it was queued.
+                outcome, result = FAILED, None
             else:
                 outcome, failure = DONE, None
                 result = TransferResult(
@@ -405,6 +447,18 @@ class Scheduler:
         self.check_releasable(handle)
         self._orphans.free_when_unused(handle, self.pool)
 
+    def check_host_tokens(self, pages: PageSeq, name: str) -> None:
+        """Raise ``UnknownHostPagesError`` unless every one of ``pages`` lies in a live
+        allocation the caller holds (not one released or taken over while copies still use
+        it). Changes nothing; loop thread."""
+        self.pool.check_allocated(pages, name=name)
+        page = self._orphans.first_owned(pages)
+        if page is not None:
+            raise UnknownHostPagesError(
+                f"{name} names host page {page}, whose allocation was released (or is the "
+                f"service's: a backup it placed that did not end done) and returns to the pool "
+                f"once the copies using it end; use pages of a live allocation")
+
     def check_releasable(self, handle: HostPages) -> None:
         """Raise ``UnknownHostPagesError`` unless ``handle`` is a live allocation that the
         caller (not the service) holds. Changes nothing; safe on any thread (a set and a dict
@@ -428,9 +482,16 @@ class Scheduler:
     # --- host pressure --------------------------------------------------------------------
 
     def _ask_for_host_pages(self, pages_needed: int) -> None:
+        """Call the caller's hook for a shortage of ``pages_needed`` host pages: once per
+        shortage, so not while an earlier call's coroutine still runs, and again only when the
+        pages needed or the free pages changed since it was last called."""
         callback = self.on_host_pressure
-        if callback is None:
+        if callback is None or self._pressure_tasks:
             return
+        asked_for = (pages_needed, self.pool.free_pages)
+        if asked_for == self._asked_for:
+            return  # nothing changed since the hook last ran: calling it again is a busy loop
+        self._asked_for = asked_for
         try:
             outcome = callback(pages_needed)
         except Exception:  # noqa: BLE001 - a broken hook must not break the service
@@ -594,5 +655,7 @@ class Scheduler:
                 if not await self._idle_within(timeout_s):
                     log.error("close(): the engine did not report %d copies within %.3g s "
                               "more; closing without them", self.inflight_requests, timeout_s)
-        for task in list(self._pressure_tasks):
-            task.cancel()
+        if self._pressure_tasks:  # hooks still at work: they end before the pool goes
+            for task in self._pressure_tasks:
+                task.cancel()
+            await asyncio.wait(list(self._pressure_tasks), timeout=timeout_s)

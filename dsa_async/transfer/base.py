@@ -100,7 +100,8 @@ class TransferEngine(abc.ABC):
     def normalize_after(self, after: object) -> object:
         """Check one caller-given engine producer and return what the engine waits for.
 
-        Raises ``TypeError`` for anything but ``producer_kinds``. On the submitting thread.
+        Raises ``ArgumentTypeError`` (a ``TypeError``) for anything but ``producer_kinds``. On
+        the submitting thread.
         """
 
     def abandon_waits(self) -> None:

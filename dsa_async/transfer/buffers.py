@@ -119,6 +119,10 @@ def bind_pool(geometry: PageGeometry, arena: torch.Tensor, device: DeviceBuffers
         )
     if len({(t.shape, t.device) for t in layers}) != 1:
         raise ConfigError(f"pool {name!r}: every layer must have the same shape and device")
+    if layers[0].shape[0] == 0:
+        raise ConfigError(
+            f"pool {name!r}: the device buffers hold no pages; give each layer at least one "
+            f"page of {geometry.bytes_per_page_per_layer:,} B")
     host = arena if geometry.host_layout is HostLayout.LAYER_FIRST else arena.transpose(0, 1)
     return PoolBinding(geometry, host, tuple(layers), _fused_view(layers))
 

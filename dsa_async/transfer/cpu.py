@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..errors import ServiceClosedError, TransferFailedError
+from ..errors import ArgumentTypeError, ConfigError, ServiceClosedError, TransferFailedError
 from ..kinds import Backend, Direction
 from .base import TransferEngine
 from .batch import BatchHandle, CopyBatch
@@ -29,15 +29,18 @@ WAIT_POLL_S = 0.1
 
 
 class _FutureDone:
-    """``wait(timeout)`` on a ``concurrent.futures.Future``: true once it finished."""
+    """``wait(timeout)`` on a ``concurrent.futures.Future``: true once it finished, failed or
+    was cancelled. (``concurrent.futures.wait`` misses a plain ``cancel()``: it counts only
+    cancellations an executor was notified of; done-callbacks run for every ending.)"""
 
-    __slots__ = ("future",)
+    __slots__ = ("ended",)
 
     def __init__(self, future: concurrent.futures.Future) -> None:
-        self.future = future
+        self.ended = threading.Event()
+        future.add_done_callback(lambda _future: self.ended.set())
 
     def wait(self, timeout_s: float) -> bool:
-        return bool(concurrent.futures.wait((self.future,), timeout_s).done)
+        return self.ended.wait(timeout_s)
 
 
 class CpuEngine(TransferEngine):
@@ -47,6 +50,11 @@ class CpuEngine(TransferEngine):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        for name, b in self.bindings.items():
+            if b.device.type != "cpu":
+                raise ConfigError(
+                    f"pool {name!r}: device buffers are on {b.device}; the cpu backend copies "
+                    f"between CPU tensors (use backend 'cuda' for buffers on a CUDA device)")
         # Each worker shares short strided copies through fused device views with helper
         # threads (copy_crew.py); without such a view there are none to share.
         fused = any(b.device_fused is not None for b in self.bindings.values())
@@ -86,7 +94,7 @@ class CpuEngine(TransferEngine):
     def normalize_after(self, after: object) -> object:
         if isinstance(after, (threading.Event, concurrent.futures.Future)):
             return after
-        raise TypeError(f"after={after!r}: the CPU backend waits for {self.producer_kinds}")
+        raise ArgumentTypeError(f"after={after!r}: the CPU backend waits for {self.producer_kinds}")
 
     def wait_layer(self, handle: BatchHandle, layer: int, timeout_s: float | None,
                    classify: Callable[[bool, float], None]) -> None:

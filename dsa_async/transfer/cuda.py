@@ -53,7 +53,13 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import torch
 
-from ..errors import ConfigError, IndexTypeError, ServiceClosedError, TransferFailedError
+from ..errors import (
+    ArgumentTypeError,
+    ConfigError,
+    IndexTypeError,
+    ServiceClosedError,
+    TransferFailedError,
+)
 from ..geometry import HostLayout
 from ..kinds import Backend, Direction
 from .base import FaultHook, TransferEngine
@@ -327,8 +333,8 @@ class CudaEngine(TransferEngine):
 
         A ``torch.cuda.Event`` is used as it is; for a ``torch.cuda.Stream`` an event is
         recorded on it now, so the copy waits for the work queued there by the time of submit.
-        Anything else raises ``TypeError`` (Transfers and sequences are unpacked by the service
-        before this is called). Never blocks.
+        Anything else raises ``ArgumentTypeError`` (Transfers and sequences are unpacked by the
+        service before this is called). Never blocks.
         """
         if isinstance(after, torch.cuda.Event):
             return after
@@ -336,7 +342,7 @@ class CudaEngine(TransferEngine):
             event = torch.cuda.Event()
             event.record(after)
             return event
-        raise TypeError(
+        raise ArgumentTypeError(
             f"after={after!r} ({type(after).__name__}) is not a producer the cuda backend can "
             f"wait for; pass a torch.cuda.Event (recorded after the kernels that wrote the "
             f"pages), a torch.cuda.Stream (the copy waits for what is queued on it at submit), "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from ..errors import ArgumentTypeError
 from ..kinds import Backend
 from .base import TransferEngine
 from .batch import BatchHandle, CopyBatch
@@ -22,7 +23,7 @@ class NoopEngine(TransferEngine):
         return handle
 
     def normalize_after(self, after: object) -> object:
-        raise TypeError(f"after={after!r}: the no-op engine waits for no producer")
+        raise ArgumentTypeError(f"after={after!r}: the no-op engine waits for no producer")
 
     def wait_layer(self, handle: BatchHandle, layer: int, timeout_s: float | None,
                    classify: Callable[[bool, float], None]) -> None:

@@ -1,0 +1,254 @@
+"""Races between the caller's code and the service's own steps: a host-pressure hook that
+cancels or outlives what the service is doing, producers cancelled without an executor, an
+``after=`` Transfer cancelled while both copies are in the engine, waits for host pages that
+turn into waits for in-flight bytes, and ``close()`` racing ``start()`` or itself cancelled.
+
+Each test checks the rule, not one schedule: every request ends, its outcome does not depend on
+which step the race hit, every count returns to zero and nothing raises on the loop."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+
+import pytest
+from service_fixtures import make_service
+
+from dsa_async import Pages
+from dsa_async.errors import HostPoolExhausted, ServiceClosedError, TransferFailedError
+from dsa_async.host_memory.ledger import HostLedger
+
+BOUND_S = 10
+
+
+@pytest.fixture
+async def loop_errors():
+    """What reaches the loop's exception handler during the test (must stay empty)."""
+    errors: list[dict] = []
+    loop = asyncio.get_running_loop()
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: errors.append(context))
+    yield errors
+    loop.set_exception_handler(previous)
+
+
+def _idle(service) -> None:
+    stats = service.statistics()
+    assert (stats.queued_requests, stats.inflight_requests, stats.in_flight_pages) == (0, 0, 0)
+
+
+async def _settle(service) -> None:
+    """Let the loop run the passes that ended requests scheduled (gauges, freed pages)."""
+    for _ in range(3):
+        await asyncio.sleep(0)
+
+
+# --- the host-pressure hook ------------------------------------------------------------------
+
+
+async def test_a_hook_that_cancels_a_backup_chosen_in_the_same_pass(tmp_path, loop_errors):
+    """The hook runs once the pass's chosen backups are in the engine: cancelling one of them
+    from the hook is a cancel of a running copy (it completes, then returns its pages)."""
+    transfers: dict[str, object] = {}
+    calls = []
+
+    def hook(pages_needed: int) -> None:
+        calls.append(pages_needed)
+        transfers["small"].cancel()
+
+    service, _ = make_service(tmp_path, host_pages=4, host_wait_timeout_s=0.5)
+    service.on_host_pressure = hook
+    async with service, asyncio.timeout(BOUND_S):
+        start = service.statistics()
+        transfers["small"] = small = service.evict(Pages([0]))  # fits: chosen
+        large = service.evict(Pages([1, 2, 3, 4]))  # 4 pages, 3 free after it: the hook runs
+        with pytest.raises(asyncio.CancelledError):
+            await small
+        result = await large  # the cancelled backup's page came back
+        assert calls and calls[0] == 4
+        service.release(result.host_pages)
+        for page in range(5, 8):  # the pool and its page states are intact
+            again = await service.evict(Pages([page]))
+            service.release(again.host_pages)
+        await _settle(service)
+        _idle(service)
+        assert service.statistics() == start
+    assert loop_errors == []
+
+
+async def test_an_async_hook_is_asked_once_per_shortage(tmp_path, loop_errors):
+    """A coroutine hook that frees nothing is not called again until the shortage changes: no
+    busy loop of hook calls while a backup waits for host pages."""
+    calls = []
+
+    async def hook(pages_needed: int) -> None:
+        calls.append(pages_needed)
+
+    service, _ = make_service(tmp_path, host_pages=4, host_wait_timeout_s=0.3)
+    service.on_host_pressure = hook
+    async with service, asyncio.timeout(BOUND_S):
+        held = service.allocate_host_pages(4)
+        with pytest.raises(HostPoolExhausted):
+            await service.evict(Pages([0]))
+        assert calls == [1]
+        waiting = service.evict(Pages([0, 1]))  # a new shortage: asked again, once
+        await _settle(service)
+        service.release(held)  # the shortage ends: the backup goes
+        service.release((await waiting).host_pages)
+        assert calls == [1, 2]
+    assert loop_errors == []
+
+
+async def test_a_hook_still_running_at_close_ends_before_the_pool_goes(tmp_path, loop_errors):
+    """close() cancels a hook's coroutine and waits for it (its clean-up may still await):
+    nothing it triggers afterwards meets a service without a pool."""
+    cleaned_up = asyncio.Event()
+
+    async def hook(pages_needed: int) -> None:
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            await asyncio.sleep(0.05)  # clean-up that awaits
+            cleaned_up.set()
+
+    service, _ = make_service(tmp_path, host_pages=2, host_wait_timeout_s=60,
+                              drain_timeout_s=0.2)
+    service.on_host_pressure = hook
+    async with asyncio.timeout(BOUND_S):
+        async with service:
+            held = service.allocate_host_pages(2)
+            waiting = service.evict(Pages([0]))
+            await _settle(service)
+        assert cleaned_up.is_set()
+        assert waiting.cancelled()
+        del held
+        await asyncio.sleep(0.1)  # any late callback would run now
+    assert loop_errors == []
+
+
+# --- producers and dependencies ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["future-cancel", "executor-shutdown"])
+async def test_a_cancelled_concurrent_future_fails_its_request(tmp_path, how):
+    """A concurrent.futures.Future in after= that is cancelled (by its owner, or by an executor
+    shut down with cancel_futures) fails the request at once, as a failed one does."""
+    service, _ = make_service(tmp_path)
+    async with service, asyncio.timeout(BOUND_S):
+        start = service.statistics()
+        if how == "future-cancel":
+            producer = concurrent.futures.Future()
+            executor = None
+        else:
+            executor = concurrent.futures.ThreadPoolExecutor(1)
+            busy = threading.Event()
+            executor.submit(busy.wait)
+            producer = executor.submit(time.sleep, 0)  # queued behind the busy task
+        backup = service.evict(Pages([0]), after=producer)
+        await _settle(service)  # its copy now waits for the producer
+        if executor is None:
+            assert producer.cancel()
+        else:
+            executor.shutdown(wait=False, cancel_futures=True)
+            busy.set()
+        with pytest.raises(TransferFailedError, match="was cancelled"):
+            await backup
+        later = await service.evict(Pages([1]))  # the direction is not held up behind it
+        service.release(later.host_pages)
+        await _settle(service)
+        assert service.statistics() == start
+
+
+@pytest.mark.parametrize("dependent_state", ["submitted", "queued"])
+async def test_a_dependency_cancelled_while_copying_fails_its_dependents(tmp_path,
+                                                                         dependent_state):
+    """A backup that needs a Transfer named in after= fails when that Transfer ends cancelled,
+    whether the backup was already in the engine or still queued behind the in-flight bound
+    when the cancel came."""
+    layers = 3
+    row_bytes = 64 * 132  # one page of one indexer layer
+    bound = {"submitted": 1 << 30, "queued": layers * row_bytes}
+    service, _ = make_service(tmp_path, layers=layers, max_inflight_bytes_d2h=bound[dependent_state])
+    async with service, asyncio.timeout(BOUND_S):
+        start = service.statistics()
+        gate = threading.Event()
+        first = service.evict(Pages([0]), after=gate)
+        second = service.evict(Pages([1]), after=first)
+        await _settle(service)
+        assert second._request.state.value == dependent_state
+        first.cancel()  # its copy waits in the engine: it completes, then ends cancelled
+        gate.set()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        with pytest.raises(TransferFailedError, match="was cancelled"):
+            await second
+        await _settle(service)
+        assert service.statistics() == start
+
+
+async def test_a_backup_held_by_in_flight_bytes_is_not_failed_for_host_pages(tmp_path):
+    """A backup that first waited for host pages and then only for in-flight bytes waits for
+    the bytes as long as they take: the host-wait deadline covers waits for host pages only."""
+    layers = 2
+    one_page = layers * 64 * 132
+    service, _ = make_service(tmp_path, layers=layers, host_pages=4, host_wait_timeout_s=0.2,
+                              max_inflight_bytes_d2h=one_page)
+    async with service, asyncio.timeout(BOUND_S):
+        start = service.statistics()
+        full = service.allocate_host_pages(4)
+        waiting = service.evict(Pages([0]))  # no free host page: it waits for one
+        await _settle(service)
+        service.release(full)
+        mine = service.allocate_host_pages(1)
+        gate = threading.Event()
+        ahead = service.evict(Pages([1]), host_tokens=Pages(mine.pages), after=gate,
+                              priority=5)  # goes first and holds the in-flight bound
+        await asyncio.sleep(0.5)  # more than the host-wait deadline
+        assert not waiting.done()
+        gate.set()
+        await ahead
+        service.release((await waiting).host_pages)
+        service.release(mine)
+        await _settle(service)
+        assert service.statistics() == start
+
+
+# --- close ----------------------------------------------------------------------------------
+
+
+async def test_close_during_start_closes_what_start_made(tmp_path):
+    """close() while start() runs waits for it and then closes: afterwards nothing runs (no
+    engine thread, no reservation) and requests are refused."""
+    service, _ = make_service(tmp_path)
+    threads_before = set(threading.enumerate())
+    async with asyncio.timeout(BOUND_S):
+        starting = asyncio.ensure_future(service.start())
+        await asyncio.sleep(0)  # start() is under way
+        await service.close()
+        assert service.state.value == "closed"
+        await starting  # start() itself succeeded; close() came after it
+        assert service.state.value == "closed"
+        with pytest.raises(ServiceClosedError):
+            service.evict(Pages([0]))
+        await asyncio.sleep(0)
+    left = [t for t in set(threading.enumerate()) - threads_before if t.name.startswith("dsa")]
+    assert left == []
+    assert HostLedger(tmp_path / "ledger").entries() == ()
+
+
+async def test_a_cancelled_close_still_closes(tmp_path):
+    """close() cancelled by a timeout around it (here while a copy waits for a producer that
+    never fires) still abandons that wait, stops the engine and returns the pool."""
+    service, _ = make_service(tmp_path, drain_timeout_s=30)
+    await service.start()
+    never = threading.Event()
+    backup = service.evict(Pages([0]), after=never)
+    await _settle(service)
+    async with asyncio.timeout(BOUND_S):
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(service.close(), 0.2)
+        assert service.state.value == "closed"
+        assert backup.done()
+    assert HostLedger(tmp_path / "ledger").entries() == ()
