@@ -93,5 +93,11 @@ class LedgerError(DsaAsyncError, RuntimeError):
 # --- internal invariants ----------------------------------------------------------------------
 
 
+class CopySkipped(DsaAsyncError):
+    """A batch whose every request was cancelled while it still waited for its producers or
+    dependencies: the engine dropped it without copying. Internal: its requests end cancelled,
+    and batches that needed its data fail with it as the cause."""
+
+
 class LivenessViolation(DsaAsyncError, AssertionError):
     """A queued request waits on nothing that ends by itself (``Scheduler.check_liveness``)."""

@@ -252,3 +252,41 @@ async def test_a_cancelled_close_still_closes(tmp_path):
         assert service.state.value == "closed"
         assert backup.done()
     assert HostLedger(tmp_path / "ledger").entries() == ()
+
+
+# --- cancelling a copy that waits for its producer --------------------------------------------
+
+
+def _errors_counted(service) -> float:
+    return sum(service.registry.get_sample_value(
+        "dsa_async_transfer_errors_total", {"direction": d}) or 0.0 for d in ("d2h", "h2d"))
+
+
+@pytest.mark.parametrize("producer_kind", ["event", "future"])
+async def test_cancel_drops_a_copy_still_waiting_for_its_producer(tmp_path, producer_kind):
+    """A request whose copy waits in the engine for a producer that never fires is dropped
+    when cancelled: it ends cancelled (without the producer), returns its host pages, fails
+    the requests that needed its data, and counts as no copy error."""
+    service, _ = make_service(tmp_path)
+    async with service, asyncio.timeout(BOUND_S):
+        start = service.statistics()
+        errors = _errors_counted(service)
+        producer = (threading.Event() if producer_kind == "event"
+                    else concurrent.futures.Future())
+        backup = service.evict(Pages([0, 1]), after=producer)  # host pages the service places
+        host = service.allocate_host_pages(1)
+        load = service.prefetch(host, Pages([2]), after=producer)
+        await _settle(service)
+        assert backup._request.state.value == "submitted"  # in the engine, waiting
+        reader = service.prefetch(backup.host_pages, Pages([3, 4]))  # needs the backup's bytes
+        layer = asyncio.ensure_future(load.layer_ready(0))
+        assert backup.cancel() and load.cancel()
+        for transfer in (backup, load, layer):
+            with pytest.raises(asyncio.CancelledError):
+                await transfer
+        with pytest.raises(TransferFailedError):
+            await reader
+        service.release(host)
+        await _settle(service)
+        assert service.statistics() == start
+        assert _errors_counted(service) == errors

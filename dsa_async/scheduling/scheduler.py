@@ -21,6 +21,7 @@ from collections.abc import Callable
 from ..completion.result import TransferResult
 from ..config import ServiceConfig
 from ..errors import (
+    CopySkipped,
     HostPoolExhausted,
     ServiceClosedError,
     TransferFailedError,
@@ -326,7 +327,7 @@ class Scheduler:
             self.metrics.record_batch(direction, bytes_moved=handle.batch.num_pages *
                                       self.bytes_per_page, pages_moved=handle.batch.num_pages,
                                       duration_s=handle.duration_s)
-        else:
+        elif not isinstance(error, CopySkipped):  # dropped because it was cancelled: no error
             self.metrics.record_batch_error(direction)
         now = time.perf_counter()
         ended: dict[Outcome, tuple[list[float], list[int]]] = {}
@@ -477,6 +478,11 @@ class Scheduler:
             self.schedule_flush()  # and republish the pool gauges
         else:
             request.cancel_requested = True  # the copy completes first; then it returns pages
+            handle = request.handle
+            if handle is not None and all(r.cancel_requested for r in self._batches[handle]):
+                # Nobody wants this batch any more: an engine whose copy still waits for its
+                # producers or dependencies drops it (the CPU engine; on CUDA it is enqueued).
+                handle.skip_requested = True
         return True
 
     # --- host pressure --------------------------------------------------------------------
@@ -544,7 +550,9 @@ class Scheduler:
         def resolve() -> None:
             if future.done():
                 return
-            if handle.error is not None and handle.layers_ready <= layer:
+            if isinstance(handle.error, CopySkipped):
+                future.cancel()  # the prefetch was cancelled before its copy started
+            elif handle.error is not None and handle.layers_ready <= layer:
                 future.set_exception(TransferFailedError(
                     f"prefetch failed before layer {layer} was ready: {handle.error!r}"))
                 future.exception()  # its awaiter may have been cancelled

@@ -101,6 +101,9 @@ class BatchHandle:
         self.error: BaseException | None = None
         self.duration_s = 0.0
         self.finished = False  #: set once, after success or error (see ``done``)
+        #: every request of the batch was cancelled: an engine that has not started its copy
+        #: yet may drop it (set on the loop, read by the engine; a plain flag)
+        self.skip_requested = False
         # One plain lock guards the state. A blocked thread parks on a lock of its own, listed
         # with what it waits for, and is woken only once that happened: a thread waiting for
         # the whole batch (or for a late layer) is not woken by every earlier layer, which on

@@ -17,7 +17,13 @@ from collections.abc import Callable
 
 import torch
 
-from ..errors import ArgumentTypeError, ConfigError, ServiceClosedError, TransferFailedError
+from ..errors import (
+    ArgumentTypeError,
+    ConfigError,
+    CopySkipped,
+    ServiceClosedError,
+    TransferFailedError,
+)
 from ..kinds import Backend, Direction
 from .base import TransferEngine
 from .batch import BatchHandle, CopyBatch
@@ -119,7 +125,7 @@ class CpuEngine(TransferEngine):
             due = []
             started = time.perf_counter()
             try:
-                self._wait_dependencies(handle.batch)
+                self._wait_dependencies(handle)
                 started = time.perf_counter()
                 due = self._copy(handle, direction, staging, crew)
                 error = None
@@ -131,17 +137,25 @@ class CpuEngine(TransferEngine):
     def abandon_waits(self) -> None:
         self._abandoned.set()
 
-    def _wait_for(self, event, what: str) -> None:
-        """Block until ``event.wait()`` returns true, unless the engine abandons waits."""
+    def _wait_for(self, event, what: str, handle: BatchHandle) -> None:
+        """Block until ``event.wait()`` returns true, unless the engine abandons waits or every
+        request of ``handle`` is cancelled meanwhile (checked every ``WAIT_POLL_S``)."""
         while not event.wait(WAIT_POLL_S):
             if self._abandoned.is_set():
                 raise ServiceClosedError(
                     f"the service closed while this copy still waited for {what}; it never ran")
+            if handle.skip_requested:
+                raise CopySkipped(f"cancelled while it waited for {what}; it never ran")
 
-    def _wait_dependencies(self, batch: CopyBatch) -> None:
+    def _wait_dependencies(self, handle: BatchHandle) -> None:
+        batch = handle.batch
         for dep in batch.deps:
             # hazard: an earlier copy touches the same pages
-            self._wait_for(dep.handle.done, f"batch {dep.handle.batch.batch_id}")
+            self._wait_for(dep.handle.done, f"batch {dep.handle.batch.batch_id}", handle)
+            if dep.needs_data and isinstance(dep.handle.error, CopySkipped):
+                raise CopySkipped(
+                    f"batch {dep.handle.batch.batch_id}, which was to produce the host pages "
+                    f"this batch reads, was cancelled before its copy; this one never ran")
             if dep.needs_data and dep.handle.error is not None:
                 raise TransferFailedError(
                     f"batch {dep.handle.batch.batch_id}, which produced the host pages this "
@@ -150,7 +164,7 @@ class CpuEngine(TransferEngine):
         for producer in batch.after:
             # the caller's producer must finish writing the pages first
             if isinstance(producer, concurrent.futures.Future):
-                self._wait_for(_FutureDone(producer), f"its producer {producer!r}")
+                self._wait_for(_FutureDone(producer), f"its producer {producer!r}", handle)
                 if producer.cancelled():
                     raise TransferFailedError(
                         f"its producer {producer!r} was cancelled; the copy did not run")
@@ -159,7 +173,9 @@ class CpuEngine(TransferEngine):
                         f"its producer failed with {producer.exception()!r}; the copy did not "
                         f"run") from producer.exception()
             else:
-                self._wait_for(producer, f"its producer {producer!r}")
+                self._wait_for(producer, f"its producer {producer!r}", handle)
+        if handle.skip_requested:
+            raise CopySkipped("cancelled before its copy started; it never ran")
 
     def _copy(self, handle: BatchHandle, direction: Direction, staging: Staging,
               crew: CopyCrew) -> list:
