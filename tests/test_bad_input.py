@@ -97,30 +97,38 @@ async def foreign(service, ctx):
     return other.allocate_host_pages(1)
 
 
-async def held_by_a_copy(service, ctx):
-    host = service.allocate_host_pages(1)
+def _gated(service, ctx, host, submit):
+    """``submit(gate)``'s transfer, held by ``gate`` until the test's clean-up opens it, awaits
+    the transfer and releases ``host``."""
     gate = threading.Event()
-    backup = service.evict(tokens([0]), host_tokens=host.token_indices(), after=gate)
+    transfer = submit(gate)
 
     async def finish():
         gate.set()
-        await backup
+        await transfer
         service.release(host)
 
     ctx.cleanups.append(finish)
+    return transfer
+
+
+async def held_by_a_copy(service, ctx):
+    host = service.allocate_host_pages(1)
+    _gated(service, ctx, host, lambda gate: service.evict(
+        tokens([0]), host_tokens=host.token_indices(), after=gate))
     return host
 
 
 async def service_owned(service, ctx):
-    """A handle the service took over: a backup into pages it placed, cancelled while its copy
-    ran, whose pages a later copy still uses (the service frees them when that copy ends)."""
+    """A handle the service took over: a backup into pages it placed, cancelled once in the
+    engine, whose pages a later copy still uses (the service frees them when that copy ends)."""
     gate, later_gate = threading.Event(), threading.Event()
     backup = service.evict(tokens([0]), after=gate)
     while backup.host_pages is None:  # placed once its copy is submitted
         await asyncio.sleep(0.001)
     handle = backup.host_pages
-    backup.cancel()  # its copy waits for the gate: it is cancelled once the copy ends
     later = service.evict(tokens([1]), host_tokens=handle.token_indices(), after=later_gate)
+    backup.cancel()  # in the engine: it ends cancelled, its pages the service's
     gate.set()
     with pytest.raises(asyncio.CancelledError):
         await backup
@@ -142,16 +150,8 @@ async def eviction(service, ctx):
 
 async def prefetch(service, ctx):
     host = service.allocate_host_pages(1)
-    gate = threading.Event()
-    load = service.prefetch(host, tokens([0]), after=gate)
-
-    async def finish():
-        gate.set()
-        await load
-        service.release(host)
-
-    ctx.cleanups.append(finish)
-    return load
+    return _gated(service, ctx, host,
+                  lambda gate: service.prefetch(host, tokens([0]), after=gate))
 
 
 def _released(service, host):
