@@ -164,9 +164,9 @@ async def test_a_cancelled_concurrent_future_fails_its_request(tmp_path, how):
 @pytest.mark.parametrize("dependent_state", ["submitted", "queued"])
 async def test_a_dependency_cancelled_while_copying_fails_its_dependents(tmp_path,
                                                                          dependent_state):
-    """A backup that needs a Transfer named in after= fails when that Transfer ends cancelled,
-    whether the backup was already in the engine or still queued behind the in-flight bound
-    when the cancel came."""
+    """A backup that needs a Transfer named in after= fails when that Transfer is cancelled in
+    the engine, whether the backup was in the engine too or still queued behind the in-flight
+    bound when the cancel came."""
     layers = 3
     row_bytes = 64 * 132  # one page of one indexer layer
     bound = {"submitted": 1 << 30, "queued": layers * row_bytes}
@@ -178,11 +178,11 @@ async def test_a_dependency_cancelled_while_copying_fails_its_dependents(tmp_pat
         second = service.evict(Pages([1]), after=first)
         await _settle(service)
         assert second._request.state.value == dependent_state
-        first.cancel()  # its copy waits in the engine: it completes, then ends cancelled
+        first.cancel()  # its copy waits in the engine for the gate: it is dropped
         gate.set()
         with pytest.raises(asyncio.CancelledError):
             await first
-        with pytest.raises(TransferFailedError, match="was cancelled"):
+        with pytest.raises(TransferFailedError, match="cancelled"):
             await second
         await _settle(service)
         assert service.statistics() == start
@@ -280,13 +280,79 @@ async def test_cancel_drops_a_copy_still_waiting_for_its_producer(tmp_path, prod
         assert backup._request.state.value == "submitted"  # in the engine, waiting
         reader = service.prefetch(backup.host_pages, Pages([3, 4]))  # needs the backup's bytes
         layer = asyncio.ensure_future(load.layer_ready(0))
+        reader_layer = asyncio.ensure_future(reader.layer_ready(0))
+        parked = asyncio.wrap_future(_in_thread(lambda: load.wait_layer(0, timeout_s=BOUND_S)))
+        await asyncio.sleep(0.05)  # the thread is parked in its wait
         assert backup.cancel() and load.cancel()
-        for transfer in (backup, load, layer):
+        for transfer in (backup, load, layer, parked):
             with pytest.raises(asyncio.CancelledError):
                 await transfer
-        with pytest.raises(TransferFailedError):
-            await reader
+        for transfer in (reader, reader_layer):  # not cancelled: it fails, with its own error
+            with pytest.raises(TransferFailedError):
+                await transfer
         service.release(host)
         await _settle(service)
         assert service.statistics() == start
-        assert _errors_counted(service) == errors
+        assert _errors_counted(service) == errors + 1  # the reader's batch; no dropped copy
+
+
+def _in_thread(fn) -> concurrent.futures.Future:
+    """Run ``fn()`` on a plain thread (no event loop there); its outcome as a future."""
+    outcome: concurrent.futures.Future = concurrent.futures.Future()
+
+    def target() -> None:
+        try:
+            outcome.set_result(fn())
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting test
+            outcome.set_exception(exc)
+
+    threading.Thread(target=target, daemon=True).start()
+    return outcome
+
+
+async def test_the_hook_is_asked_again_when_the_pages_it_freed_went_elsewhere(tmp_path):
+    """Pages the hook freed that another backup took leave the same shortage as before: the
+    hook is asked again (host pages changed hands), and the waiting backup gets its pages."""
+    held: list = []
+    calls = []
+
+    def hook(pages_needed: int) -> None:
+        calls.append(pages_needed)
+        if held:
+            service.release(held.pop())
+
+    service, _ = make_service(tmp_path, host_pages=4, host_wait_timeout_s=5)
+    service.on_host_pressure = hook
+    async with service, asyncio.timeout(BOUND_S):
+        held += [service.allocate_host_pages(2), service.allocate_host_pages(2)]
+        waiting = service.evict(Pages([0, 1]))  # short by 2: the hook frees 2 pages
+        ahead = service.evict(Pages([2, 3]), priority=5)  # and this one takes them first
+        first = await ahead
+        second = await waiting
+        assert len(calls) == 2
+        service.release(first.host_pages)
+        service.release(second.host_pages)
+
+
+async def test_close_cancels_a_backup_that_lacked_host_pages_and_now_waits_for_bytes(tmp_path):
+    """close() cancels at once every backup that lacked host pages, also one the last pass
+    held back for in-flight bytes (it would lack pages again after them)."""
+    layers = 2
+    service, _ = make_service(tmp_path, layers=layers, host_pages=2, host_wait_timeout_s=60,
+                              max_inflight_bytes_d2h=layers * 64 * 132)
+    await service.start()
+    full = service.allocate_host_pages(2)
+    waiting = service.evict(Pages([0]))  # no free host page
+    await _settle(service)
+    service.release(full)
+    mine = service.allocate_host_pages(1)
+    gate = threading.Event()
+    ahead = service.evict(Pages([1]), host_tokens=Pages(mine.pages), after=gate, priority=5)
+    await _settle(service)  # `waiting` is held for in-flight bytes now
+    async with asyncio.timeout(BOUND_S):
+        closing = asyncio.ensure_future(service.close())
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        gate.set()
+        await closing
+    assert ahead.done()

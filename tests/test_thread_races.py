@@ -13,6 +13,7 @@ import threading
 import pytest
 from service_fixtures import make_service, tokens
 
+from dsa_async import Pages
 from dsa_async.errors import TransferFailedError, UnknownHostPagesError
 
 BOUND_S = 10
@@ -148,3 +149,29 @@ async def test_an_infinite_timeout_is_no_bound(tmp_path):
 
         assert await asyncio.to_thread(wait) == 1
         service.release(host)
+
+
+async def test_a_loop_request_whose_host_pages_a_taken_release_freed_is_refused(tmp_path):
+    """Taking a thread's hand-offs first (after= a Transfer not yet taken) also takes its
+    releases: a loop request naming those host pages is refused, changing nothing, and the
+    pool's page states stay whole (the next backups run)."""
+    service, buffers = make_service(tmp_path, layers=LAYERS, host_pages=4)
+    async with service, asyncio.timeout(BOUND_S):
+        start = service.statistics()
+        host = service.allocate_host_pages(2)
+        pages = Pages(host.pages)
+
+        def thread_side():
+            backup = service.evict_threadsafe(tokens([9]))
+            service.release_threadsafe(host)
+            return backup
+
+        backup = _posted_then(thread_side)
+        with pytest.raises(UnknownHostPagesError):
+            service.prefetch(None, Pages([5, 6]), host_tokens=pages, after=backup)
+        result = await backup
+        more = [await service.evict(tokens([p])) for p in (1, 2)]
+        for done in (result, *more):
+            service.release(done.host_pages)
+        await asyncio.sleep(0)
+        assert service.statistics() == start

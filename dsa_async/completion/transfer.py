@@ -24,6 +24,7 @@ import numpy as np
 from ..errors import (
     ArgumentTypeError,
     ArgumentValueError,
+    CopySkipped,
     ServiceClosedError,
     TransferFailedError,
     WrongThreadError,
@@ -57,11 +58,12 @@ class Owner(Protocol):
 
 
 def _count_unseen_as_wasted(request: Request, record: Callable[[Timeliness, int], None]) -> None:
-    if request.direction is not H2D or request.future.cancelled():
+    """When a prefetch's Transfer is collected: the layers it loaded that nobody used are
+    wasted; a prefetch still running is counted when it ends (by the scheduler)."""
+    if not request.future.done():
+        request.count_wasted_at_end = True
         return
-    seen = request.layer_seen
-    total = request.handle.num_layers if request.handle is not None else 0
-    unseen = total if seen is None else seen.count(0)
+    unseen = request.take_unseen_loaded_layers()
     if unseen:
         record(Timeliness.WASTED, unseen)
 
@@ -242,6 +244,9 @@ class Transfer:
                                f"prefetch keeps running)") from None
         except TransferFailedError:
             request.observed = True
+            if request.cancel_requested and isinstance(handle.error, CopySkipped):
+                raise asyncio.CancelledError(  # cancelled: its copy was dropped unstarted
+                    "the prefetch was cancelled before its copy started") from None
             raise
 
     def _check_layer(self, layer: object) -> int:

@@ -608,6 +608,9 @@ class OffloadService:
         which follows it, instead of the two waiting for each other."""
         if request.deps and any(dep.state is POSTED for dep, _ in request.deps):
             self._inbox.drain()
+            if request.host_pages is not None and not request.owns_host:
+                # a release just taken may have freed host pages this request names
+                scheduler.check_host_tokens(request.host_pages, "host pages")
         self._accept(scheduler, request, loop_producers)
 
     @staticmethod

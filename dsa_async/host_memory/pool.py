@@ -93,6 +93,8 @@ class HostPool:
         self.startup_s = 0.0
         self._extents = ExtentAllocator(capacity_pages)
         self._live: dict[int, tuple[tuple[int, int], ...]] = {}  # allocation id -> its runs
+        #: allocations plus releases so far: changes whenever pages change hands
+        self.changes = 0
         self._batch_run: list[int] | None = None  # [start, pages]: taken, not yet handed out
 
     @classmethod
@@ -153,6 +155,7 @@ class HostPool:
                 runs = tuple(found)
         allocation_id = next(_ALLOCATION_IDS)
         self._live[allocation_id] = runs
+        self.changes += 1
         return HostPages(runs, allocation_id, self.page_size_tokens)
 
     def end_batch(self) -> None:
@@ -193,6 +196,7 @@ class HostPool:
                 f"(host page {busy[0]} first); await the transfer that uses them before release()"
             )
         del self._live[handle.allocation_id]
+        self.changes += 1
         for start, n in handle.runs:
             self._extents.free(start, n)
 

@@ -236,7 +236,7 @@ class ServiceMetrics:
         self._queue_depth = per_direction(
             Gauge(
                 PREFIX + "queue_depth",
-                "Requests accepted but not yet ended, by direction.",
+                "Requests queued (accepted, not yet handed to the copy engine), by direction.",
                 ["direction"],
                 registry=reg,
             )
@@ -252,8 +252,9 @@ class ServiceMetrics:
         # --- host pool and budget ---------------------------------------------------------------
         pool_bytes = Gauge(
             PREFIX + "host_pool_bytes",
-            "Host pool bytes by page state: used (holding pages), free, in_flight (a copy reads "
-            "or writes them).",
+            "Host pool bytes by page state: used (held by allocations, in_flight included), "
+            "free (used + free = capacity), in_flight (the part of used that a queued or "
+            "running copy reads or writes).",
             ["state"],
             registry=reg,
         )
@@ -349,7 +350,8 @@ class ServiceMetrics:
         self._padding_bytes.inc(direction, padding_bytes)
 
     def set_queue_depth(self, direction: Direction, requests: int) -> None:
-        """Set how many requests of ``direction`` are accepted and not yet ended. Non-blocking."""
+        """Set how many requests of ``direction`` are queued (accepted, not yet handed to the
+        engine). Non-blocking."""
         _non_negative("requests", requests)
         _pick(self._queue_depth, direction, "direction").set(requests)
 

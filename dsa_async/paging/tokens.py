@@ -378,17 +378,42 @@ _TORCH_INTEGER_DTYPES = frozenset(
 def _range_array(value: range, name: str, upper_bound: int | None, unit: str) -> np.ndarray:
     """A ``range``'s values as ``int64 [n]``, its bounds checked first from its ends (O(1)):
     a range far past the end is refused without being materialised, naming the same first
-    bad element as the check of the same values as an array."""
+    bad element, in the same order of checks, as the same values given as a list."""
     if value:
-        step = value.step
-        if min(value[0], value[-1]) < 0:  # the first negative value
-            at = 0 if value[0] < 0 else value[0] // -step + 1
-            raise IndexValueError(f"{name}[{at}] = {value[at]} is negative; indices start at 0")
-        bound = _INT64_MAX + 1 if upper_bound is None else upper_bound
-        if max(value[0], value[-1]) >= bound:  # the first value at or past the bound
-            at = max(0, -((value[0] - bound) // step)) if step > 0 else 0
+        start, step = value.start, value.step
+        low, high = min(value[0], value[-1]), max(value[0], value[-1])
+        if high > _INT64_MAX or low < _INT64_MIN:  # outside int64: a list of them is refused so
+            at = min(([_first_above(value, _INT64_MAX)] if high > _INT64_MAX else [])
+                     + ([_first_below(value, _INT64_MIN)] if low < _INT64_MIN else []))
+            if value[at] < 0:
+                raise IndexValueError(f"{name}[{at}] = {value[at]} is negative; indices start at 0")
             raise _out_of_range(name, at, value[at], upper_bound, unit)
-    return np.arange(value.start, value.stop, value.step, dtype=np.int64)
+        if low < 0:
+            at = _first_below(value, 0)
+            raise IndexValueError(f"{name}[{at}] = {value[at]} is negative; indices start at 0")
+        if upper_bound is not None and high >= upper_bound:
+            at = _first_above(value, upper_bound - 1)
+            raise _out_of_range(name, at, value[at], upper_bound, unit)
+        if len(value) == 1:  # its step may not even fit int64
+            return np.array([start], dtype=np.int64)
+        # start + step * i exactly (numpy's arange sizes itself in floating point)
+        offsets = np.arange(len(value), dtype=np.int64)
+        offsets *= step
+        offsets += start
+        return offsets
+    return np.zeros(0, dtype=np.int64)
+
+
+def _first_above(value: range, bound: int) -> int:
+    """Index of the first element of a non-empty ``value`` above ``bound`` (one exists)."""
+    step = value.step
+    return max(0, (bound - value.start) // step + 1) if step > 0 else 0
+
+
+def _first_below(value: range, bound: int) -> int:
+    """Index of the first element of a non-empty ``value`` below ``bound`` (one exists)."""
+    step = value.step
+    return 0 if step > 0 else max(0, (value.start - bound) // -step + 1)
 
 
 def _sequence_array(value: Sequence, name: str, upper_bound: int | None,

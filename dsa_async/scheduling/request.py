@@ -49,7 +49,7 @@ class Request:
         "after", "priority", "deadline", "submitted_at", "padding_tokens", "nbytes",
         "deps", "handle", "batch_index", "state", "cancel_requested", "future", "started",
         "_start_waiter", "end_waiter", "layer_seen", "waiters", "loop_waits", "observed",
-        "dropped", "device_indices", "__weakref__",
+        "dropped", "device_indices", "count_wasted_at_end", "__weakref__",
     )
 
     def __init__(self, direction: Direction, device_pages: PageSeq, host_pages: PageSeq | None,
@@ -69,6 +69,9 @@ class Request:
         self.loop_waits = 0  #: loop producers (asyncio futures/events) not finished yet
         self.observed = False  #: the caller looked at the outcome (awaited, result(), ...)
         self.dropped = False  #: its Transfer was collected before it ended: nobody can look
+        #: a prefetch whose Transfer was collected before it ended: its loaded layers that no
+        #: consumer used are counted as wasted when it ends
+        self.count_wasted_at_end = False
         self.priority = priority
         self.deadline = deadline
         self.submitted_at = time.perf_counter()
@@ -134,6 +137,22 @@ class Request:
         if self.future.done():  # it ended while the waiter was being published
             return True
         return waiter.wait(timeout_s)
+
+    def take_unseen_loaded_layers(self) -> int:
+        """How many layers this prefetch's copy loaded that no consumer waited for or awaited,
+        marking them seen so that they count once (the wasted layers). Any thread."""
+        handle = self.handle
+        if self.direction is not H2D or handle is None:
+            return 0
+        loaded = handle.layers_ready
+        with WAITER_LOCK:
+            if self.layer_seen is None:
+                self.layer_seen = bytearray(handle.num_layers)
+            seen = self.layer_seen
+            loaded = min(loaded, len(seen))
+            unseen = loaded - sum(seen[:loaded])
+            seen[:loaded] = b"\x01" * loaded
+        return unseen
 
     def renumber(self) -> None:
         """Take the next submission number: a request prepared on a thread is numbered when

@@ -76,6 +76,9 @@ class Scheduler:
         self.hazards = HazardTable(pool.capacity_pages)
         self._batches: dict[BatchHandle, list[Request]] = {}
         self._host_wait_since: dict[Request, float] = {}
+        #: backups that lacked host pages, now held for another reason: seconds they waited for
+        #: pages so far (their host-wait clock is paused, and resumes from there)
+        self._host_waited_s: dict[Request, float] = {}
         self._pending_layers: dict[Request, list[tuple[int, asyncio.Future]]] = {}
         #: requests held on the loop until their asyncio producers end
         self._loop_watches = LoopProducerWatches(self.schedule_flush, self._fail_for_producer)
@@ -84,7 +87,7 @@ class Scheduler:
         self._pressure_tasks: set[asyncio.Task] = set()
         #: host pages the last pass over the backups lacked (the flush asks the hook for them)
         self._host_shortage_pages = 0
-        #: (pages needed, free pages) when the hook was last called for the current shortage
+        #: (pages needed, pool.changes) when the hook was last called for the current shortage
         self._asked_for: tuple[int, int] | None = None
         self._flush_handle: asyncio.Handle | None = None
         self._expiry_handle: asyncio.TimerHandle | None = None
@@ -211,10 +214,10 @@ class Scheduler:
             self._host_shortage_pages = pages_needed  # the flush asks the hook, once, at its end
             if len(self._host_wait_since) > len(short):
                 # Backups held back now for another reason (in-flight bytes, a dependency, a
-                # producer) wait for that, not for host pages: their host-wait clock stops.
-                waiting = set(short)
+                # producer) wait for that, not for host pages: their host-wait clock pauses.
+                waiting, now = set(short), self.loop.time()
                 for request in [r for r in self._host_wait_since if r not in waiting]:
-                    del self._host_wait_since[request]
+                    self._host_waited_s[request] = now - self._host_wait_since.pop(request)
         return chosen
 
     @staticmethod
@@ -241,12 +244,19 @@ class Scheduler:
     def _allocate_host(self, request: Request, ahead_pages: int) -> bool:
         handle = self.pool.allocate(request.num_pages, ahead_pages=ahead_pages)
         if handle is None:
-            if request not in self._host_wait_since:
-                self._host_wait_since[request] = self.loop.time()
+            if request not in self._host_wait_since:  # starts, or resumes, its clock
+                since = self._host_wait_since[request] = self.loop.time() - (
+                    self._host_waited_s.pop(request, 0.0) if self._host_waited_s else 0.0)
+                expiry = self._expiry_handle
+                if expiry is not None and since + self.config.host_wait_timeout_s < expiry.when():
+                    expiry.cancel()  # a resumed clock runs out before the armed one
+                    self._expiry_handle = None
                 self._arm_expiry()
             return False
         if self._host_wait_since:
             self._host_wait_since.pop(request, None)
+        if self._host_waited_s:
+            self._host_waited_s.pop(request, None)
         request.host_handle = handle
         request.host_pages = handle.page_seq
         self.hazards.register_fresh_host_writes(request)
@@ -360,18 +370,19 @@ class Scheduler:
         self._check_idle()
         self.inflight_bytes[direction] -= nbytes
         self.inflight_requests -= len(requests)
+        moved = error is None  # padding counts only where the padded bytes moved
         for outcome, (latencies, paddings) in ended.items():
             self.metrics.record_requests(direction, outcome, latencies,
-                                         sum(paddings) * self.bytes_per_token)
+                                         sum(paddings) * self.bytes_per_token if moved else 0)
         self.schedule_flush()  # publishes the pool gauges once for the whole batch
 
     def finish(self, request: Request, outcome: Outcome, *, result: TransferResult | None = None,
                error: BaseException | None = None) -> None:
         """End a request that is not in a batch (queued, or never queued): once, returning
-        everything it held, then resolve its future."""
+        everything it held, then resolve its future. Its bytes never moved: no padding."""
         self.metrics.record_request(
             request.direction, outcome, latency_s=time.perf_counter() - request.submitted_at,
-            padding_bytes=request.padding_tokens * self.bytes_per_token)
+            padding_bytes=0)
         self._end(request, outcome, result, error)
 
     def _end(self, request: Request, outcome: Outcome, result: TransferResult | None,
@@ -383,6 +394,8 @@ class Scheduler:
         request.state = FINISHED
         if self._host_wait_since:
             self._host_wait_since.pop(request, None)
+        if self._host_waited_s:
+            self._host_waited_s.pop(request, None)
         self.hazards.retire(request)  # its host pages may be released again
         handle = request.host_handle
         if (request.owns_host and outcome is not DONE and handle is not None
@@ -409,6 +422,10 @@ class Scheduler:
             future.cancel()
         if self._loop_watches:
             self._loop_watches.stop(request)
+        if request.count_wasted_at_end:  # its Transfer is gone: nobody uses what it loaded
+            unseen = request.take_unseen_loaded_layers()
+            if unseen:
+                self.record_layers(Timeliness.WASTED, unseen)
         if request.waiters:
             for waiter in request.waiters:
                 if not waiter.done():
@@ -490,11 +507,12 @@ class Scheduler:
     def _ask_for_host_pages(self, pages_needed: int) -> None:
         """Call the caller's hook for a shortage of ``pages_needed`` host pages: once per
         shortage, so not while an earlier call's coroutine still runs, and again only when the
-        pages needed or the free pages changed since it was last called."""
+        pages needed changed or host pages changed hands (an allocation or a release) since it
+        was last called."""
         callback = self.on_host_pressure
         if callback is None or self._pressure_tasks:
             return
-        asked_for = (pages_needed, self.pool.free_pages)
+        asked_for = (pages_needed, self.pool.changes)
         if asked_for == self._asked_for:
             return  # nothing changed since the hook last ran: calling it again is a busy loop
         self._asked_for = asked_for
@@ -638,19 +656,26 @@ class Scheduler:
                 self.finish(request, CANCELLED)
 
     def detach(self) -> None:
-        """After close: stop timers and drop the pool and engine (and with them the arenas)."""
+        """After close: stop timers, zero the state gauges (the pool is gone) and drop the pool
+        and engine (and with them the arenas)."""
         for handle in (self._publish_handle, self._expiry_handle, self._flush_handle):
             if handle is not None:
                 handle.cancel()
         self._publish_handle = self._expiry_handle = self._flush_handle = None
+        for direction in Direction:
+            self.metrics.set_queue_depth(direction, 0)
+            self.metrics.set_inflight_bytes(direction, 0)
+        self.metrics.set_host_pool(used_bytes=0, free_bytes=0, in_flight_bytes=0,
+                                   capacity_bytes=0)
         self.pool = self.engine = None
 
     async def drain(self, timeout_s: float) -> None:
         """Wait until nothing is queued or in flight. After ``timeout_s`` cancel what is queued;
         copies already running complete (never torn), and after another ``timeout_s`` copies
         still blocked on a producer that never finished are abandoned (they fail)."""
-        for request in list(self._host_wait_since):
-            self.finish(request, CANCELLED)
+        for request in [*self._host_wait_since, *self._host_waited_s]:  # short of host pages
+            if request.state is not FINISHED:
+                self.finish(request, CANCELLED)
         self.schedule_flush()
         if not await self._idle_within(timeout_s):
             for direction in Direction:
