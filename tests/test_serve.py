@@ -189,3 +189,16 @@ def test_bad_trace_line_exits_2_naming_the_line(tmp_path, capsys):
 def test_bad_arguments_exit_2(args, capsys):
     assert main(["serve", *args]) == 2
     assert "error:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case", ["summary-is-a-directory", "buffers-larger-than-memory"])
+def test_arguments_that_cannot_work_exit_2_before_any_work(case, tmp_path, capsys):
+    """Checked before anything is allocated or run: a JSON summary path that is a directory,
+    and device buffers (host memory on the CPU backend) larger than the memory available."""
+    args = {"summary-is-a-directory": ["--json-summary", str(tmp_path), "--layers", "2",
+                                       "--device-pages", "8"],
+            "buffers-larger-than-memory": ["--layers", "1000000"]}[case]
+    assert main(["serve", "--backend", "cpu", "--duration-s", "1", "--quiet", *args]) == 2
+    err = capsys.readouterr().err
+    assert {"summary-is-a-directory": "is a directory",
+            "buffers-larger-than-memory": "GB of device buffers"}[case] in err

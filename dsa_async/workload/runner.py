@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+import psutil
 import torch
 
 from ..config import PoolSize, ServiceConfig
@@ -75,6 +76,19 @@ def pool_geometries(num_layers: int) -> tuple[PageGeometry, ...]:
     return (dsa_indexer(num_layers=num_layers), mla_kv(KvDtype.FP8, num_layers=num_layers))
 
 
+def _check_device_buffers_fit(options: ServeOptions) -> None:
+    """Refuse device buffers larger than the memory this machine has available (CPU backend:
+    they are ordinary host memory) before anything is allocated."""
+    need = options.device_pages * sum(g.num_layers * g.bytes_per_page_per_layer
+                                      for g in pool_geometries(options.num_layers))
+    available = psutil.virtual_memory().available
+    if need > available:
+        raise ConfigError(
+            f"--layers {options.num_layers} x --device-pages {options.device_pages} need "
+            f"{need / 1e9:.1f} GB of device buffers, and this machine has {available / 1e9:.1f} GB "
+            f"available; lower --device-pages or --layers")
+
+
 def allocate_device_buffers(geometries: tuple[PageGeometry, ...], device_pages: int,
                             device: torch.device) -> dict[str, torch.Tensor]:
     """One zeroed ``uint8 [layers, pages, bytes_per_page_per_layer]`` tensor per pool (blocking)."""
@@ -98,9 +112,16 @@ async def serve(options: ServeOptions, *, stdout: TextIO = sys.stdout) -> ServeS
     if backend is Backend.CUDA and not torch.cuda.is_available():
         raise ConfigError("--backend cuda needs a CUDA device and a CUDA build of torch; "
                           "none is available here: use --backend cpu (or auto)")
-    if options.json_summary is not None and not Path(options.json_summary).parent.is_dir():
-        raise ConfigError(f"--json-summary {str(options.json_summary)!r}: its directory does not "
-                          f"exist")
+    if options.json_summary is not None:
+        if not Path(options.json_summary).parent.is_dir():
+            raise ConfigError(f"--json-summary {str(options.json_summary)!r}: its directory does "
+                              f"not exist")
+        if Path(options.json_summary).is_dir():
+            raise ConfigError(f"--json-summary {str(options.json_summary)!r} is a directory; "
+                              f"give a file path (e.g. "
+                              f"{str(Path(options.json_summary) / 'summary.json')!r})")
+    if backend is not Backend.CUDA:  # the device buffers are host memory here
+        _check_device_buffers_fit(options)
     settings = EngineSettings.for_device(
         page_size_tokens=DSA_PAGE_SIZE_TOKENS,
         device_pages=options.device_pages, num_layers=options.num_layers,

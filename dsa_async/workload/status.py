@@ -60,7 +60,7 @@ class StatusReporter:
         h2d = (now.bytes_h2d - self._last.bytes_h2d) / dt / 1e9
         self._last, self._last_t = now, t
         c = self._counters
-        errors = c.errors + now.failed_requests + now.transfer_errors
+        errors = c.errors  # every failure the workload saw (failed requests among them)
         return (f"d2h {d2h:6.2f} GB/s | h2d {h2d:6.2f} GB/s | host pool {now.host_pool_use:4.0%} "
                 f"| late layers {now.prefetch_layers_late} | errors {errors} "
                 f"| turns {c.turns_finished} | verified {c.verified_pages} pages, "

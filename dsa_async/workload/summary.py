@@ -102,7 +102,7 @@ class ServeSummary:
             host_copies_lost=counters.host_copies_lost,
             failed_requests=readings.failed_requests,
             cancelled_requests=readings.cancelled_requests,
-            errors=counters.errors + readings.failed_requests + readings.transfer_errors,
+            errors=counters.errors,  # failed requests are among them: counted once
             **fields)
 
     def as_dict(self) -> dict:
