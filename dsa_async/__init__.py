@@ -13,6 +13,7 @@ from .errors import (
     ArgumentTypeError,
     ArgumentValueError,
     ConfigError,
+    CopySkipped,
     DsaAsyncError,
     HostBudgetExceeded,
     HostPoolExhausted,
@@ -40,7 +41,7 @@ __all__ = [
     "HostLayout", "HostPages", "KvDtype", "OffloadService", "PageGeometry", "Pages", "PoolSize",
     "ServiceConfig", "ServiceStatistics", "Transfer", "TransferResult", "dsa_indexer", "mla_kv",
     # errors
-    "ArgumentTypeError", "ArgumentValueError", "ConfigError", "DsaAsyncError",
+    "ArgumentTypeError", "ArgumentValueError", "ConfigError", "CopySkipped", "DsaAsyncError",
     "HostBudgetExceeded", "HostPoolExhausted", "IndexTypeError", "IndexValueError", "LedgerError",
     "LivenessViolation", "PageAlignmentError", "PagesInFlightError", "QueueFullError", "ServiceClosedError", "TransferFailedError",
     "UnknownHostPagesError", "UnsupportedSettingError", "WrongThreadError",
