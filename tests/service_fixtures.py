@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 
 import numpy as np
@@ -87,3 +88,18 @@ def page_bytes(buffers: dict, pages) -> dict:
 
 def tokens(pages, *, page: int = PAGE) -> torch.Tensor:
     return torch.as_tensor((np.asarray(pages)[:, None] * page + np.arange(page)).reshape(-1))
+
+
+def on_plain_thread(fn) -> concurrent.futures.Future:
+    """Run ``fn()`` on a new daemon thread that runs no event loop (as a server's scheduler or
+    forward-pass thread); its result or error as a future."""
+    outcome: concurrent.futures.Future = concurrent.futures.Future()
+
+    def target() -> None:
+        try:
+            outcome.set_result(fn())
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever awaits the future
+            outcome.set_exception(exc)
+
+    threading.Thread(target=target, name="no-loop-thread", daemon=True).start()
+    return outcome

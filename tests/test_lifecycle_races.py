@@ -14,7 +14,7 @@ import threading
 import time
 
 import pytest
-from service_fixtures import make_service
+from service_fixtures import make_service, on_plain_thread
 
 from dsa_async import Pages
 from dsa_async.errors import HostPoolExhausted, ServiceClosedError, TransferFailedError
@@ -281,7 +281,8 @@ async def test_cancel_drops_a_copy_still_waiting_for_its_producer(tmp_path, prod
         reader = service.prefetch(backup.host_pages, Pages([3, 4]))  # needs the backup's bytes
         layer = asyncio.ensure_future(load.layer_ready(0))
         reader_layer = asyncio.ensure_future(reader.layer_ready(0))
-        parked = asyncio.wrap_future(_in_thread(lambda: load.wait_layer(0, timeout_s=BOUND_S)))
+        parked = asyncio.wrap_future(on_plain_thread(
+            lambda: load.wait_layer(0, timeout_s=BOUND_S)))
         await asyncio.sleep(0.05)  # the thread is parked in its wait
         assert backup.cancel() and load.cancel()
         for transfer in (backup, load, layer, parked):
@@ -295,19 +296,6 @@ async def test_cancel_drops_a_copy_still_waiting_for_its_producer(tmp_path, prod
         assert service.statistics() == start
         assert _errors_counted(service) == errors + 1  # the reader's batch; no dropped copy
 
-
-def _in_thread(fn) -> concurrent.futures.Future:
-    """Run ``fn()`` on a plain thread (no event loop there); its outcome as a future."""
-    outcome: concurrent.futures.Future = concurrent.futures.Future()
-
-    def target() -> None:
-        try:
-            outcome.set_result(fn())
-        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting test
-            outcome.set_exception(exc)
-
-    threading.Thread(target=target, daemon=True).start()
-    return outcome
 
 
 async def test_the_hook_is_asked_again_when_the_pages_it_freed_went_elsewhere(tmp_path):

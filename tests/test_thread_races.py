@@ -11,7 +11,7 @@ import math
 import threading
 
 import pytest
-from service_fixtures import make_service, tokens
+from service_fixtures import make_service, on_plain_thread, tokens
 
 from dsa_async import Pages
 from dsa_async.errors import TransferFailedError, UnknownHostPagesError
@@ -44,18 +44,11 @@ def _posted_then(fn) -> object:
 
 async def _raised_in_thread(fn) -> type[BaseException] | None:
     """Run ``fn()`` on a plain thread (no event loop there); the type of what it raised."""
-    raised: concurrent.futures.Future = concurrent.futures.Future()
-
-    def target() -> None:
-        try:
-            fn()
-        except BaseException as exc:  # noqa: BLE001 - its type is the result
-            raised.set_result(type(exc))
-        else:
-            raised.set_result(None)
-
-    threading.Thread(target=target, daemon=True).start()
-    return await asyncio.wrap_future(raised)
+    try:
+        await asyncio.wrap_future(on_plain_thread(fn))
+    except BaseException as exc:  # noqa: BLE001 - its type is the result
+        return type(exc)
+    return None
 
 
 @pytest.mark.parametrize("pages", ["same", "other"])

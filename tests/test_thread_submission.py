@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from service_fixtures import make_service, page_bytes, tokens
+from service_fixtures import make_service, on_plain_thread, page_bytes, tokens
 
 from dsa_async.bench import thread_scenarios
 from dsa_async.bench.measure import MIN_PAIRS
@@ -41,17 +41,8 @@ README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 
 async def in_thread(fn, bound_s: float = BOUND_S):
     """Run ``fn()`` on a new plain thread (no event loop there); the loop keeps running."""
-    future: concurrent.futures.Future = concurrent.futures.Future()
-
-    def target() -> None:
-        try:
-            future.set_result(fn())
-        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting test
-            future.set_exception(exc)
-
-    threading.Thread(target=target, name="no-loop-thread", daemon=True).start()
     async with asyncio.timeout(bound_s):
-        return await asyncio.wrap_future(future)
+        return await asyncio.wrap_future(on_plain_thread(fn))
 
 
 def while_the_loop_is_blocked(fn):
