@@ -36,6 +36,7 @@ def write_meminfo(
     mem_available_bytes: int,
     hugepages_total: int = 0,
     hugepages_free: int = 0,
+    hugepages_reserved: int = 0,
     hugepage_size_bytes: int = 2 * MIB,
 ) -> None:
     """``proc/meminfo`` in the kernel's format (kB values, hugepage counts)."""
@@ -50,7 +51,7 @@ def write_meminfo(
         f"AnonHugePages:       0 kB\n"
         f"HugePages_Total:    {hugepages_total}\n"
         f"HugePages_Free:     {hugepages_free}\n"
-        f"HugePages_Rsvd:        0\n"
+        f"HugePages_Rsvd:     {hugepages_reserved}\n"
         f"HugePages_Surp:        0\n"
         f"Hugepagesize:       {hugepage_size_bytes // KIB} kB\n"
         f"Hugetlb:               0 kB\n",

@@ -14,6 +14,7 @@ from dsa_async.host_memory.budget import (
     CgroupVersion,
     default_reserve_bytes,
     probe_host_budget,
+    read_cgroup_levels,
     read_memlock_limit_bytes,
 )
 
@@ -188,6 +189,42 @@ def test_hugepage_backed_arena_is_capped_by_free_hugepages(tmp_path):
     assert snap.hugepages_free_bytes == 512 * 2 * MIB == GIB
     assert snap.available_bytes == GIB
     assert snap.limiter is BudgetLimiter.HUGEPAGES
+
+
+def test_reserved_hugepages_are_not_free(tmp_path):
+    """HugePages_Rsvd pages are promised to existing mappings: they are not the arena's."""
+    root = tmp_path / "root"
+    write_meminfo(root, mem_total_bytes=64 * GIB, mem_available_bytes=48 * GIB,
+                  hugepages_total=1024, hugepages_free=600, hugepages_reserved=500)
+    snap = probe(root, reserve_bytes=0, hugepages=True)
+    assert snap.hugepages_free_bytes == snap.available_bytes == 100 * 2 * MIB
+
+
+def test_v2_memory_high_below_memory_max_is_the_limit(tmp_path):
+    """Above memory.high the cgroup is throttled and reclaimed hard, and a page-locked or
+    zero-filled arena cannot be reclaimed: the lower of memory.high and memory.max binds."""
+    root = make_root(tmp_path, mem_total_bytes=64 * GIB, mem_available_bytes=48 * GIB)
+    write_cgroup_v2(root, "/svc", {"/svc": Level(limit_bytes=16 * GIB, usage_bytes=2 * GIB)})
+    (root / "sys/fs/cgroup/svc/memory.high").write_text(f"{4 * GIB}\n")
+    snap = probe(root, reserve_bytes=0)
+    assert snap.available_bytes == 2 * GIB
+    assert snap.limiter_cgroup_path == "/svc"
+    (level,) = read_cgroup_levels(root)
+    assert (level.limit_bytes, level.limit_file) == (4 * GIB, "memory.high")
+
+
+def test_v1_memory_and_swap_limit_binds_when_memory_is_swapped_out(tmp_path):
+    """With swap accounting a cgroup's memory + swap is charged: pages swapped out lower no
+    charge, so memsw.limit - memsw.usage bounds a new arena when it is the smaller headroom."""
+    root = make_root(tmp_path, mem_total_bytes=64 * GIB, mem_available_bytes=48 * GIB)
+    write_cgroup_v1(root, "/docker/abc",
+                    {"/docker/abc": Level(limit_bytes=8 * GIB, usage_bytes=6 * GIB)})
+    level_dir = root / "sys/fs/cgroup/memory/docker/abc"
+    (level_dir / "memory.memsw.limit_in_bytes").write_text(f"{10 * GIB}\n")
+    (level_dir / "memory.memsw.usage_in_bytes").write_text(f"{int(9.5 * GIB)}\n")
+    assert probe(root, reserve_bytes=0).available_bytes == GIB // 2
+    (level_dir / "memory.memsw.usage_in_bytes").write_text(f"{7 * GIB}\n")  # little swapped
+    assert probe(root, reserve_bytes=0).available_bytes == 2 * GIB  # memory's headroom binds
 
 
 def test_free_hugepages_are_reported_but_do_not_cap_a_normal_arena(tmp_path):

@@ -126,6 +126,8 @@ def test_reserve_gb_overrides_the_reserve(env, capsys):
         ["--host-pool-gb", "0"],
         ["--host-pool-gb", "nan"],
         ["--host-pool-gb", "inf"],
+        ["--host-pool-gb", "1e300"],  # finite, but not as bytes
+        ["--host-pool-gb", "1", "--reserve-gb", "1e300"],
         ["--host-pool-gb", "1e-12"],
         ["--host-pool-gb", "1", "--model", "llama"],
         ["--host-pool-gb", "1", "--kv-dtype", "fp16"],

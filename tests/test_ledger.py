@@ -350,3 +350,32 @@ def test_nested_transaction_on_one_thread_is_refused(ledger_dir):
             ledger.pending_bytes()
     held.release()
     assert ledger.entries() == ()
+
+
+def test_processes_creating_a_nested_ledger_directory_at_once_all_reserve(tmp_path):
+    """Several ranks starting together on a ledger directory whose parent does not exist yet:
+    whichever creates it, the others use it (no FileExistsError), and every reservation lands."""
+    import threading
+
+    directory = tmp_path / "not" / "yet" / "ledger"
+    start = threading.Barrier(6)
+    errors: list[BaseException] = []
+    reservations = []
+
+    def rank() -> None:
+        start.wait()
+        try:
+            reservations.append(HostLedger(directory).reserve(1024, label="rank"))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert errors == []
+    assert len(HostLedger(directory).entries()) == 6
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    for reservation in reservations:
+        reservation.release()

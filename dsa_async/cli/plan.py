@@ -34,9 +34,9 @@ def _gb_to_bytes(text: str, *, allow_zero: bool) -> int:
         gb = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of GB") from None
-    if not math.isfinite(gb) or gb < 0 or (gb == 0 and not allow_zero):
+    if not math.isfinite(gb * GB_BYTES) or gb < 0 or (gb == 0 and not allow_zero):
         raise argparse.ArgumentTypeError(
-            f"{text!r} must be a finite number {'>=' if allow_zero else '>'} 0"
+            f"{text!r} must be a finite number {'>=' if allow_zero else '>'} 0 (of GB)"
         )
     return round(gb * GB_BYTES)
 

@@ -65,10 +65,13 @@ class CgroupLevel:
     inactive_file_bytes: int
     working_set_bytes: int
     headroom_bytes: int | None
+    #: the file whose limit binds: memory.max or memory.high (v2); memory.limit_in_bytes or
+    #: memory.memsw.limit_in_bytes (v1, memory + swap)
+    limit_file: str = ""
 
-    @property
-    def limit_file(self) -> str:
-        return "memory.max" if self.version is CgroupVersion.V2 else "memory.limit_in_bytes"
+    def __post_init__(self) -> None:
+        if not self.limit_file:
+            object.__setattr__(self, "limit_file", _FILES[self.version][0])
 
 
 @dataclass(frozen=True)
@@ -261,6 +264,25 @@ def _read_level(directory: Path, path: str, version: CgroupVersion) -> CgroupLev
     inactive_file_bytes = _read_stat_key(directory / "memory.stat", inactive_keys)
     working_set_bytes = max(0, usage_bytes - inactive_file_bytes)
     headroom_bytes = None if limit_bytes is None else max(0, limit_bytes - working_set_bytes)
+    limit_file = limit_name
+    if version is CgroupVersion.V2:
+        # Above memory.high the kernel throttles and reclaims hard: a page-locked or
+        # zero-filled arena cannot be reclaimed, so the high mark is a limit too.
+        high_text = (_read_text(directory / "memory.high") or "").strip()
+        if high_text.isdigit() and (limit_bytes is None or int(high_text) < limit_bytes):
+            limit_bytes, limit_file = int(high_text), "memory.high"
+            headroom_bytes = max(0, limit_bytes - working_set_bytes)
+    else:
+        # With swap accounting, memory + swap is charged too: swapping out lowers no charge.
+        sw_limit = (_read_text(directory / "memory.memsw.limit_in_bytes") or "").strip()
+        sw_usage = (_read_text(directory / "memory.memsw.usage_in_bytes") or "").strip()
+        if sw_limit.isdigit() and sw_usage.isdigit() and (
+                int(sw_limit) < V1_UNLIMITED_FLOOR_BYTES):
+            sw_headroom = max(0, int(sw_limit) - max(0, int(sw_usage) - inactive_file_bytes))
+            if headroom_bytes is None or sw_headroom < headroom_bytes:
+                limit_bytes, limit_file = int(sw_limit), "memory.memsw.limit_in_bytes"
+                usage_bytes, headroom_bytes = int(sw_usage), sw_headroom
+                working_set_bytes = max(0, usage_bytes - inactive_file_bytes)
     return CgroupLevel(
         path=path,
         version=version,
@@ -270,6 +292,7 @@ def _read_level(directory: Path, path: str, version: CgroupVersion) -> CgroupLev
         inactive_file_bytes=inactive_file_bytes,
         working_set_bytes=working_set_bytes,
         headroom_bytes=headroom_bytes,
+        limit_file=limit_file,
     )
 
 
@@ -326,8 +349,9 @@ def probe_host_budget(
     meminfo = _read_meminfo(base)
     levels = read_cgroup_levels(base)
     mem_total_bytes, mem_available_bytes = meminfo["MemTotal"], meminfo["MemAvailable"]
-    hugepages_free_bytes = (
-        meminfo["HugePages_Free"] * meminfo["Hugepagesize"]
+    hugepages_free_bytes = (  # reserved ones are promised to existing mappings already
+        max(0, meminfo["HugePages_Free"] - meminfo.get("HugePages_Rsvd", 0))
+        * meminfo["Hugepagesize"]
         if "HugePages_Free" in meminfo and "Hugepagesize" in meminfo
         else None
     )

@@ -302,7 +302,12 @@ class HostLedger:
             pass
         except FileNotFoundError:
             os.makedirs(self.directory.parent, exist_ok=True)
-            os.mkdir(self.directory, 0o700)
+            try:
+                os.mkdir(self.directory, 0o700)
+            except FileExistsError:  # another process made it meanwhile: checked below
+                pass
+            else:
+                os.chmod(self.directory, 0o700)
         else:
             os.chmod(self.directory, 0o700)  # mkdir's mode is masked by the umask
         self._check_directory()
