@@ -379,3 +379,40 @@ def test_processes_creating_a_nested_ledger_directory_at_once_all_reserve(tmp_pa
     assert stat.S_IMODE(directory.stat().st_mode) == 0o700
     for reservation in reservations:
         reservation.release()
+
+
+def test_a_live_owner_whose_pid_the_reader_cannot_see_keeps_its_reservation(root, ledger_dir,
+                                                                            tmp_path):
+    """A rank in another PID namespace (a container sharing the ledger directory) has a pid
+    that means nothing, or another process, in this reader's /proc: its owner lock, held while
+    it runs, keeps its reservation counted. Simulated by a reader whose /proc is empty."""
+    sixty_percent = BUDGET_BYTES * 6 // 10
+    other = start_rank(sixty_percent, root, ledger_dir)
+    try:
+        assert other.stdout.readline().split()[0] == "OK"
+        blind = HostLedger(ledger_dir, proc_root=tmp_path / "empty-proc")  # sees no process
+        assert [e.pid for e in blind.entries()] == [other.pid]
+        with pytest.raises(HostBudgetExceeded):
+            reserve(root, blind, sixty_percent)
+    finally:
+        stop(other)
+    # gone (its lock went with it): the blind reader drops the entry and its owner lock
+    assert HostLedger(ledger_dir, proc_root=tmp_path / "empty-proc").entries() == ()
+    assert not list(ledger_dir.glob("owner-*.lock"))
+
+
+def test_a_killed_owner_is_dropped_even_if_its_pid_looks_alive(root, ledger_dir):
+    """The owner lock decides: once the owner is gone its lock is free, whatever the pid (here
+    the pid of a live process, as after pid reuse in another namespace)."""
+    other = start_rank(GIB, root, ledger_dir)
+    assert other.stdout.readline().split()[0] == "OK"
+    other.kill()
+    other.wait(timeout=30)
+    other.stdout.close()
+    other.stdin.close()
+    (entry_json,) = json.loads((ledger_dir / "ledger.json").read_text())["entries"]
+    entry_json["pid"], entry_json["start_time_ticks"] = os.getpid(), read_process_start_ticks(
+        os.getpid())
+    (ledger_dir / "ledger.json").write_text(json.dumps(
+        {"schema": LEDGER_SCHEMA, "entries": [entry_json]}))
+    assert HostLedger(ledger_dir).entries() == ()

@@ -10,8 +10,15 @@ private directory when containers have separate ``/dev/shm``.
 An entry records who reserved (pid and process start time) and how much: ``reserved_bytes`` and
 the part already ``allocated_bytes``. Allocated bytes already show up in MemAvailable and cgroup
 usage, so only ``reserved_bytes - allocated_bytes`` of each entry counts against the budget
-again. Entries whose owner is gone (no such pid, a zombie, or a pid reused by a process with a
-different start time) are dropped on every locked access.
+again. Entries whose owner is gone are dropped on every locked access.
+
+Whether an owner lives is told by an owner lock: each reservation holds ``fcntl.flock`` on its
+own ``owner-<id>.lock`` beside the ledger for as long as it lasts, and the kernel drops that lock
+when the process dies. Locks are seen across PID namespaces (containers sharing the directory),
+where the pid means nothing to a reader's ``/proc``. An entry without an owner lock (written by
+hand, or by an older writer) falls back to the pid: no such pid, a zombie, or a pid reused by a
+process with a different start time is gone. A child forked from the owner inherits its lock
+and keeps the reservation alive while it runs; it never releases it.
 
 Every call here blocks on file I/O and on the lock; call it from a worker thread, never from the
 event loop.
@@ -113,13 +120,15 @@ class LedgerTransaction:
         return sum(e.pending_bytes for e in self._entries if e.entry_id != exclude_entry)
 
     def add(self, reserved_bytes: int, *, label: str) -> Reservation:
-        """Record a reservation of this process; it is written when the transaction closes."""
+        """Record a reservation of this process; it is written when the transaction closes.
+        Its owner lock is taken now and held until the reservation is released."""
         _check_bytes("reserved_bytes", reserved_bytes)
         pid, start_time_ticks = self._ledger._own_identity()
         entry = LedgerEntry(uuid.uuid4().hex, pid, start_time_ticks, str(label), reserved_bytes, 0)
+        owner_fd = self._ledger._hold_owner_lock(entry.entry_id)
         self._entries.append(entry)
         self.dirty = True
-        return Reservation(self._ledger, entry)
+        return Reservation(self._ledger, entry, owner_fd)
 
     def _set_allocated(self, entry_id: str, allocated_bytes: int) -> bool:
         for i, entry in enumerate(self._entries):
@@ -141,13 +150,14 @@ class Reservation:
     ``release()`` is idempotent; ``with`` releases on exit.
     """
 
-    def __init__(self, ledger: HostLedger, entry: LedgerEntry) -> None:
+    def __init__(self, ledger: HostLedger, entry: LedgerEntry, owner_fd: int | None = None) -> None:
         self.ledger = ledger
         self.entry_id = entry.entry_id
         self.reserved_bytes = entry.reserved_bytes
         self.label = entry.label
         self.allocated_bytes = entry.allocated_bytes
         self._owner_pid = entry.pid
+        self._owner_fd = owner_fd  # holds the owner lock (flock) while the reservation lasts
         self.released = False
 
     def mark_allocated(self, nbytes: int) -> None:
@@ -173,6 +183,11 @@ class Reservation:
             return
         with self.ledger.transaction() as txn:
             txn._remove(self.entry_id)
+            if self._owner_fd is not None:  # the entry is gone: its lock and file go too
+                fd, self._owner_fd = self._owner_fd, None
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.ledger._owner_lock_path(self.entry_id))
+                os.close(fd)
         self.released = True
 
     def __enter__(self) -> Reservation:
@@ -233,7 +248,7 @@ class HostLedger:
         if not self.directory.exists():
             return ()
         self._check_directory()
-        return tuple(e for e in self._load() if self._is_live(e))
+        return tuple(e for e in self._load() if self._is_live(e, prune=False))
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[LedgerTransaction]:
@@ -272,8 +287,43 @@ class HostLedger:
             self._identity = (pid, start)
         return self._identity
 
-    def _is_live(self, entry: LedgerEntry) -> bool:
-        return read_process_start_ticks(entry.pid, self.proc_root) == entry.start_time_ticks
+    def _owner_lock_path(self, entry_id: str) -> Path:
+        return self.directory / f"owner-{entry_id}.lock"
+
+    def _hold_owner_lock(self, entry_id: str) -> int:
+        """Create and lock the owner lock of a new entry; the descriptor holds the lock."""
+        fd = self._open_checked(self._owner_lock_path(entry_id), create=True)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _is_live(self, entry: LedgerEntry, *, prune: bool = True) -> bool:
+        """Whether the entry's owner still runs: its owner lock is held (by it, in any PID
+        namespace); without an owner lock, its pid and start time. ``prune``: remove the owner
+        lock of a gone owner (under the ledger lock; ``peek`` writes nothing)."""
+        path = self._owner_lock_path(entry.entry_id)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except FileNotFoundError:
+            return read_process_start_ticks(entry.pid, self.proc_root) == entry.start_time_ticks
+        except OSError:
+            return True  # cannot tell: keep the reservation (the budget stays safe)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True  # its owner holds it
+        except OSError:
+            return True
+        else:
+            if prune:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+            return False
+        finally:
+            os.close(fd)
 
     def _unsafe(self, what: str, path: Path, why: str, fix: str) -> LedgerError:
         return LedgerError(f"host-memory ledger {what} {path} {why}; {fix}")
