@@ -233,10 +233,11 @@ def _same_indices(transfer: Any, anchor: Any) -> bool:
                          (transfer.device_indices, anchor.device_indices)):
         if mine is theirs:
             continue
-        if mine.shape != theirs.shape or mine.device != theirs.device:
+        if (mine.shape, mine.dtype, mine.device) != (theirs.shape, theirs.dtype, theirs.device):
             return False
         if mine.device.type == "cpu" and not torch.equal(mine, theirs):
             return False
-        if mine.device.type != "cpu" and (mine.data_ptr() != theirs.data_ptr()):
-            return False  # comparing GPU values would block the scheduler thread
+        # GPU indices are not compared: that would block the scheduler thread on the GPU.
+        # SGLang builds every pool's indices of an operation from the same values; merged
+        # operations concatenate them per pool, into separate tensors of equal values.
     return True

@@ -40,6 +40,10 @@ def _problems(kvcache: Any, params: Any, memory: Any, storage_backend: str | Non
     if getattr(params, "mtp_draft_device_pools", None):
         yield ("MTP draft KV pools (--speculative-algorithm with a DSA draft model) are not "
                "moved by the service; run without speculative decoding")
+    if getattr(params, "sidecar_draft_device_pools", None):
+        yield ("draft KV pools kept beside the target's (--speculative-algorithm with a "
+               "separate draft model, e.g. STANDALONE or EAGLE3) are not moved by the "
+               "service; run without speculative decoding")
     if any(getattr(kvcache, "skip_topk_layers", None) or ()):
         yield ("layers that reuse another layer's top-k (skip_topk_layers, from the model "
                "config's index_topk_freq, indexer_types, index_topk_pattern, "

@@ -316,6 +316,14 @@ def test_mtp_draft_device_pools_are_refused(sglang_objects, monkeypatch):
     assert "--speculative-algorithm" in _refused(sglang_objects)
 
 
+def test_sidecar_draft_device_pools_are_refused(sglang_objects, monkeypatch):
+    """A draft model whose KV pools SGLang keeps beside the target's (its SIDECAR HiCache mode):
+    refused at start, before SGLang sizes and allocates host buffers for them."""
+    params = sglang_objects["params"]
+    monkeypatch.setattr(params, "sidecar_draft_device_pools", (sglang_objects["kvcache"],))
+    assert "--speculative-algorithm" in _refused(sglang_objects)
+
+
 def test_dcp_widened_indices_are_refused(sglang_objects, monkeypatch):
     monkeypatch.setattr(sglang_objects["kvcache"], "dcp_replicated", True)
     assert "--dcp-size 1" in _refused(sglang_objects)
