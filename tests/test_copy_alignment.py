@@ -67,3 +67,33 @@ async def test_any_device_row_alignment_round_trips_byte_exact(tmp_path, offset_
                                        want[name][layer]), (name, layer, n, "scattered")
             service.release(held)
             service.release(backup.host_pages)
+
+
+@pytest.mark.parametrize("block_misalignment", [1, 4, 8, 15])
+async def test_rows_aligned_in_a_block_that_starts_unaligned_round_trip(tmp_path,
+                                                                        block_misalignment):
+    """Layers whose rows sit at 16-byte aligned addresses inside a memory block that itself
+    starts unaligned (numpy buffers, memmaps, DLPack imports): accepted, and moved byte-exact
+    (the wide element views follow the storage offset, not the address alone)."""
+    geometry = dsa_indexer(num_layers=LAYERS)
+    row = geometry.bytes_per_page_per_layer
+    raw = np.zeros(LAYERS * DEVICE_PAGES * row + 64, dtype=np.uint8)
+    start = (block_misalignment - raw.ctypes.data) % 16  # the block starts at this misalignment
+    block = torch.from_numpy(raw[start:])
+    skip = (16 - block_misalignment) % 16  # the layers start 16-byte aligned inside it
+    layers = [block[skip + i * DEVICE_PAGES * row:skip + (i + 1) * DEVICE_PAGES * row]
+              .view(DEVICE_PAGES, row) for i in range(LAYERS)]
+    assert all(t.data_ptr() % 16 == 0 for t in layers)
+    gen = torch.Generator().manual_seed(block_misalignment)
+    for t in layers:
+        t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=gen))
+    config = ServiceConfig(geometries=(geometry,), host_pool=PoolSize(pages=HOST_PAGES),
+                           backend="cpu", ledger_directory=str(tmp_path / "ledger"))
+    async with OffloadService(config, layers) as service, asyncio.timeout(60):
+        source, target = [3, 9, 4], [20, 1, 15]
+        want = [t[source].clone() for t in layers]
+        backup = await service.evict(_tokens(source))
+        await service.prefetch(backup.host_pages, _tokens(target))
+        for layer, expected in zip(layers, want, strict=True):
+            assert torch.equal(layer[target], expected)
+        service.release(backup.host_pages)

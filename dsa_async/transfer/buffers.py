@@ -136,9 +136,12 @@ def wide_view(t: torch.Tensor) -> torch.Tensor:
     move; nothing is interpreted as numbers.
     """
     row = t.shape[-1]
+    # torch views bytes as wider elements only from a storage offset that is a multiple of the
+    # width, which an aligned address does not imply (a block that itself starts unaligned)
+    offset_bytes = t.storage_offset() * t.element_size()
     for dtype, size in ((torch.complex128, 16), (torch.int64, 8), (torch.int32, 4),
                         (torch.int16, 2)):
-        if row % size == 0 and t.data_ptr() % size == 0 and all(
+        if row % size == 0 and t.data_ptr() % size == 0 and offset_bytes % size == 0 and all(
             s % size == 0 for s in t.stride()[:-1]
         ):
             return t.view(dtype)
