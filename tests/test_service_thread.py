@@ -91,3 +91,77 @@ def test_interpreter_exit_without_stop_closes_the_service_and_returns_the_reserv
     assert "started" in done.stdout
     assert done.stderr == "", done.stderr  # nothing failed while closing at exit
     assert HostLedger(str(tmp_path / "ledger")).peek() == ()
+
+
+def test_a_stop_that_times_out_leaves_the_close_running_and_a_later_stop_finishes_it(tmp_path):
+    """stop(timeout_s) past its bound raises TimeoutError without stopping the loop under the
+    close; a concurrent or later stop() waits for that same close, which returns everything."""
+    owner = ServiceThread.start(_config(tmp_path), make_buffers(dsa_indexer(num_layers=2), 8),
+                                stop_at_exit=False)
+    gate = threading.Event()
+    transfer = owner.service.evict_threadsafe(range(0, 2 * PAGE), after=gate)
+    with pytest.raises(TimeoutError, match="call stop\\(\\) again"):
+        owner.stop(0.2)  # the drain waits for the gate
+    assert owner.service.state is ServiceState.CLOSING and owner._thread.is_alive()
+    waiter = threading.Thread(target=owner.stop, args=(WAIT_S,))  # a concurrent stop waits too
+    waiter.start()
+    gate.set()
+    owner.stop(WAIT_S)
+    waiter.join(WAIT_S)
+    assert not waiter.is_alive()
+    assert owner.service.state is ServiceState.CLOSED and not owner._thread.is_alive()
+    assert transfer.wait(WAIT_S).pages == 2
+    assert HostLedger(str(tmp_path / "ledger")).peek() == ()
+
+
+def _exit_script(tmp_path, body: list[str], **config) -> str:
+    return "\n".join([
+        "import logging, os, sys, threading, time",
+        "logging.basicConfig(level=logging.ERROR, stream=sys.stderr)",
+        f"sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})",
+        "from service_fixtures import make_buffers, tokens",
+        "from dsa_async.config import PoolSize, ServiceConfig",
+        "from dsa_async.geometry import dsa_indexer",
+        "from dsa_async.integrations.loop_thread import ServiceThread",
+        "config = ServiceConfig(geometries=(dsa_indexer(num_layers=2),),"
+        " host_pool=PoolSize(pages=16), backend='cpu',"
+        f" ledger_directory={str(tmp_path / 'ledger')!r}, **{config!r})",
+        *body,
+    ])
+
+
+def test_a_forked_child_exits_and_the_parent_still_closes_at_exit(tmp_path):
+    """The exit hook runs only in the process that started the service: a child forked after
+    start exits at once, and the parent's exit still closes and returns the reservation."""
+    script = _exit_script(tmp_path, [
+        "service = ServiceThread.start(config, make_buffers(dsa_indexer(num_layers=2), 8))"
+        ".service",  # the host keeps only the service: the hook holds the owner
+        "pid = os.fork()",
+        "if pid == 0:",
+        "    sys.exit(0)  # runs the exit handlers, the hook among them",
+        "_, status = os.waitpid(pid, 0)",
+        "print('child', os.waitstatus_to_exitcode(status), flush=True)",
+    ])
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "child 0" in done.stdout
+    assert HostLedger(str(tmp_path / "ledger")).peek() == ()
+
+
+def test_exit_is_bounded_when_a_copy_never_ends(tmp_path):
+    """A copy that never ends (a wedged device) cannot keep the process from exiting: the exit
+    hook waits twice the drain timeout and a grace period, then the process exits."""
+    script = _exit_script(tmp_path, [
+        "def wedged(batch, first_layer):",
+        "    threading.Event().wait()",
+        "owner = ServiceThread.start(config, make_buffers(dsa_indexer(num_layers=2), 8),"
+        " fault_hook=wedged)",
+        "owner.service.evict_threadsafe(tokens([1]))",
+        "time.sleep(0.3)",
+        "print('exiting', flush=True)",
+    ], drain_timeout_s=0.5)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=90)
+    assert "exiting" in done.stdout
+    assert "did not close within" in done.stderr

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import enum
 import functools
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -270,7 +272,7 @@ class OffloadService:
             # timeout around it) gets here without one.
             engine.abandon_waits()
             try:
-                await asyncio.to_thread(engine.close)
+                await _on_daemon_thread(engine.close, "dsa-async-engine-close")
             except Exception:  # noqa: BLE001 - logged; the rest must still be returned
                 log.exception("close(): the %s engine failed to close; returning the host "
                               "pool and the ledger reservation anyway", engine.backend.value)
@@ -701,3 +703,28 @@ def _check_handle(host: object) -> None:
         raise ArgumentTypeError(
             f"release takes the HostPages handle of an allocation (a backup's "
             f"result.host_pages, or allocate_host_pages()), got {type(host).__name__}")
+
+
+async def _on_daemon_thread(fn: Callable[[], object], name: str) -> object:
+    """``await`` ``fn()`` run on a daemon thread of its own: unlike ``asyncio.to_thread`` (whose
+    workers the interpreter joins at exit), a call that never returns (an engine whose device
+    is wedged) cannot keep the process from exiting."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def settle(outcome: tuple[bool, object]) -> None:
+        if done.done():
+            return
+        ok, value = outcome
+        (done.set_result if ok else done.set_exception)(value)
+
+    def run() -> None:
+        try:
+            outcome = (True, fn())
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+            outcome = (False, exc)
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
+            loop.call_soon_threadsafe(settle, outcome)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return await done

@@ -19,8 +19,8 @@ import asyncio
 import atexit
 import concurrent.futures
 import logging
+import os
 import threading
-import weakref
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
@@ -49,6 +49,8 @@ class ServiceThread:
         self._thread = thread
         self._stop_lock = threading.Lock()
         self._stopped = False
+        #: the close() that the first stop() started on the loop (later stops wait for it)
+        self._closing: concurrent.futures.Future | None = None
 
     @classmethod
     def start(cls, config: ServiceConfig, buffers: Any, *, name: str = "dsa-async-loop",
@@ -95,37 +97,64 @@ class ServiceThread:
 
     def stop(self, timeout_s: float | None = None) -> None:
         """Drain and close the service on its loop, then end the loop and join the thread.
-        Blocks the calling thread; idempotent; any thread but the loop's."""
+
+        Blocks the calling thread at most ``timeout_s`` (``None``: until closed); any thread
+        but the loop's. The first call starts the close; every call, concurrent or later,
+        waits for that same close. Past ``timeout_s`` it raises ``TimeoutError`` and the
+        close goes on on the loop: call ``stop()`` again to wait for it."""
+        if threading.current_thread() is self._thread:
+            raise WrongThreadError("ServiceThread.stop() blocks; it was called on the loop thread")
         with self._stop_lock:
-            if self._stopped:
-                return
-            self._stopped = True
+            if self._closing is None:
+                self._stopped = True
+                if self.loop.is_running():
+                    self._closing = asyncio.run_coroutine_threadsafe(self.service.close(),
+                                                                     self.loop)
+                else:
+                    self._closing = concurrent.futures.Future()
+                    self._closing.set_result(None)
+            closing = self._closing
         try:
-            if self.loop.is_running():
-                self.run(self.service.close, timeout_s)
-        except Exception:  # noqa: BLE001 - at exit the rest must still happen
+            closing.result(timeout_s)
+        except TimeoutError:
+            if not closing.done():
+                raise TimeoutError(
+                    f"the offload service did not close within {timeout_s} s; it keeps "
+                    f"closing on its loop: call stop() again to wait for it") from None
+        except Exception:  # noqa: BLE001 - the loop must still end
             log.exception("closing the offload service on its loop failed")
-        finally:
-            if self.loop.is_running():
-                self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(timeout_s)
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout_s)
 
     @property
     def running(self) -> bool:
         return not self._stopped and self._thread.is_alive()
 
 
+#: How long the exit hook waits for the close beyond twice the drain timeout (a copy that never
+#: ends, a wedged device, must not keep the process from exiting).
+EXIT_CLOSE_GRACE_S = 5.0
+
+
 def _stop_at_exit(owner: ServiceThread) -> None:
     """Stop ``owner`` when the interpreter exits, while the thread pools that ``close()`` hands
     its blocking steps to (``asyncio.to_thread``) still take work: those refuse new work once
     the interpreter's own exit handlers ran, so a plain ``atexit`` hook would be too late and
-    leave the engine open and the ledger reservation held. The hook holds the owner weakly."""
-    ref = weakref.ref(owner)
+    leave the engine open and the ledger reservation held. The hook holds the owner (a host
+    may keep only its ``service``), runs only in the process that started it (not in a forked
+    child, where the loop thread does not exist), and waits a bounded time."""
+    pid = os.getpid()
+    bound_s = 2 * owner.service.config.drain_timeout_s + EXIT_CLOSE_GRACE_S
 
     def stop() -> None:
-        alive = ref()
-        if alive is not None:
-            alive.stop()
+        if os.getpid() != pid or owner._stopped:
+            return
+        try:
+            owner.stop(bound_s)
+        except TimeoutError:
+            log.error("the offload service did not close within %.3g s at exit; exiting "
+                      "without it", bound_s)
 
     register = getattr(threading, "_register_atexit", None)  # runs before those pools stop
     if register is None:
