@@ -40,3 +40,19 @@ def test_indices_that_differ_are_refused(change):
         "device": _transfer(host, torch.empty(128, dtype=torch.int64, device="meta")),
     }[change]
     assert not _same_indices(other, anchor)
+
+
+def test_a_budget_refusal_names_sglangs_flags():
+    """Started by the SGLang plug-in, the host pool follows --hicache-size / --hicache-ratio:
+    the refusal says to change those, not the standalone service's settings."""
+    from dsa_async.errors import HostBudgetExceeded
+    from dsa_async.host_memory.plan import HOST_POOL_SETTING
+    from dsa_async.integrations.sglang.host_views import in_sglang_terms
+
+    refusal = HostBudgetExceeded(
+        f"host pool refused\n  to fix: lower {HOST_POOL_SETTING} to <= 22.99 GB, or use auto, "
+        f"or raise the container's memory limit")
+    message = str(in_sglang_terms(refusal))
+    assert "--hicache-size" in message and "--hicache-ratio" in message
+    assert "--host-pool-gb" not in message and "use auto" not in message
+    assert "<= 22.99 GB" in message and "raise the container's memory limit" in message

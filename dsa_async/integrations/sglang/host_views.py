@@ -26,7 +26,8 @@ from typing import Any
 import torch
 
 from ...config import PoolSize, ServiceConfig
-from ...errors import UnsupportedSettingError
+from ...errors import HostBudgetExceeded, UnsupportedSettingError
+from ...host_memory.plan import HOST_POOL_SETTING
 from ...geometry import HostLayout, PageGeometry
 from ..loop_thread import ServiceThread
 
@@ -163,6 +164,8 @@ class ArenaViews:
             # SGLang's allocator owns every host page: the service holds them all for it, so a
             # copy never waits for or is refused host pages (the same on every rank).
             self.whole_pool = self.owner.run(lambda: _take_all(service))
+        except HostBudgetExceeded as exc:  # says what to change in SGLang's terms
+            failure = in_sglang_terms(exc)
         except BaseException as exc:  # noqa: BLE001 - every rank hears of it first
             failure = exc
         # Every TP rank starts, or none does: a rank left running would wait for the others
@@ -193,3 +196,18 @@ def _exact(total: int, parts: int) -> int:
             f"dsa_async SGLang plug-in: the indexer page of {total} B does not split into "
             f"{parts} token rows")
     return total // parts
+
+
+#: SGLang's settings that size the host pool the plug-in asks for (per rank).
+SGLANG_HOST_POOL_SETTING = "SGLang's --hicache-size (GB per rank) or --hicache-ratio"
+
+
+def in_sglang_terms(refusal: HostBudgetExceeded) -> HostBudgetExceeded:
+    """The service's budget refusal with its fixes named as SGLang's flags: the host pool
+    follows --hicache-size / --hicache-ratio there (the service's own size setting and its
+    auto sizing are not SGLang's to set)."""
+    message = str(refusal).replace(HOST_POOL_SETTING, SGLANG_HOST_POOL_SETTING)
+    message = message.replace(", or use auto", "").replace("to fix: use auto, or ", "to fix: ")
+    renamed = HostBudgetExceeded(message)
+    renamed.__cause__ = refusal.__cause__
+    return renamed
