@@ -70,17 +70,7 @@ def test_interpreter_exit_without_stop_closes_the_service_and_returns_the_reserv
     # A host that never calls stop(): the exit hook must still drain, close the engine and
     # release the ledger entry (close() hands those steps to worker threads, which refuse
     # work once the interpreter's own exit handlers ran).
-    script = "\n".join([
-        "import logging, sys",
-        "logging.basicConfig(level=logging.ERROR, stream=sys.stderr)",
-        f"sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})",
-        "from service_fixtures import make_buffers, tokens",
-        "from dsa_async.config import PoolSize, ServiceConfig",
-        "from dsa_async.geometry import dsa_indexer",
-        "from dsa_async.integrations.loop_thread import ServiceThread",
-        "config = ServiceConfig(geometries=(dsa_indexer(num_layers=2),),"
-        " host_pool=PoolSize(pages=16), backend='cpu',"
-        f" ledger_directory={str(tmp_path / 'ledger')!r})",
+    script = _exit_script(tmp_path, [
         "owner = ServiceThread.start(config, make_buffers(dsa_indexer(num_layers=2), 8))",
         "owner.service.evict_threadsafe(tokens([1])).wait(10)",
         "print('started', flush=True)",
