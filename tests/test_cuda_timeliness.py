@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from dsa_async.errors import IndexValueError, TransferFailedError
 from dsa_async.kinds import Direction
 from dsa_async.transfer import cuda as cuda_module
 from dsa_async.transfer.batch import BatchHandle, CopyBatch
@@ -164,6 +165,26 @@ def test_after_a_device_fault_returned_waits_count_on_time(consumer):
     engine.wait_layer(handle, 0, 1.0, lambda late, s: seen.append((late, s)))
     complete(engine, handle, completed=False)
     assert seen == [(False, 0.0)]
+
+
+@pytest.mark.parametrize("layers_issued", [0, 2])
+def test_a_wait_on_a_batch_that_failed_raises_even_after_it_was_recycled(consumer,
+                                                                        layers_issued):
+    """A batch that failed (before any copy, or after some layers) and that the completion
+    thread already recycled: a wait for a layer it never loaded raises TransferFailedError,
+    never returns as if the layer had landed (the consumer would read stale pages)."""
+    engine = engine_with_probes(1.0, 1.0)
+    handle = handle_of()
+    issue(handle, *([2.0] * layers_issued))
+    progress = getattr(handle, _STATE)
+    progress.error = IndexValueError("a device index names a page twice")
+    progress.end = FakeEvent(3.0)
+    handle.finish(progress.error, 0.0)
+    engine._recycle(Lane(), handle, progress, True)
+    seen = []
+    with pytest.raises(TransferFailedError):
+        engine.wait_layer(handle, layers_issued, 1.0, lambda late, s: seen.append((late, s)))
+    assert seen == [] and consumer.waited_on == []
 
 
 def test_verdict_without_device_timestamps_is_on_time():

@@ -19,6 +19,7 @@ from service_fixtures import make_service, on_plain_thread
 from dsa_async import Pages
 from dsa_async.errors import HostPoolExhausted, ServiceClosedError, TransferFailedError
 from dsa_async.host_memory.ledger import HostLedger
+from dsa_async.transfer.cpu import CpuEngine
 
 BOUND_S = 10
 
@@ -344,3 +345,34 @@ async def test_close_cancels_a_backup_that_lacked_host_pages_and_now_waits_for_b
         gate.set()
         await closing
     assert ahead.done()
+
+
+async def test_a_start_cancelled_while_the_engine_is_made_closes_that_engine(tmp_path):
+    """start() cancelled (a timeout around it) while the engine's constructor runs on its
+    thread (page-locking on CUDA takes a while): start waits for the constructor and closes
+    what it made, so no engine thread, page-locked arena or reservation outlives it."""
+    made, closed = [], []
+    constructing = threading.Event()
+
+    class SlowEngine(CpuEngine):
+        def __init__(self, *args, **kwargs):
+            constructing.set()
+            time.sleep(0.3)
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+        def close(self):
+            closed.append(self)
+            super().close()
+
+    service, _ = make_service(tmp_path)
+    service._engine_factory = SlowEngine
+    threads_before = set(threading.enumerate())
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.1):
+            await service.start()
+    assert constructing.is_set() and made and closed == made
+    assert service.state.value == "closed"
+    left = [t for t in set(threading.enumerate()) - threads_before if t.name.startswith("dsa")]
+    assert left == []
+    assert HostLedger(tmp_path / "ledger").entries() == ()

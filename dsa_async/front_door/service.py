@@ -202,8 +202,16 @@ class OffloadService:
         handoff = LoopHandoff(loop)
         factory = self._engine_factory or functools.partial(_make_engine, self.backend, config)
         # Off the loop: the CUDA engine page-locks the arenas here, which takes a while.
-        self._engine = await asyncio.to_thread(
-            factory, bindings, handoff, self._on_batch_done, fault_hook=self._fault_hook)
+        construct = asyncio.ensure_future(asyncio.to_thread(
+            factory, bindings, handoff, self._on_batch_done, fault_hook=self._fault_hook))
+        try:
+            self._engine = await asyncio.shield(construct)
+        except asyncio.CancelledError:
+            # The constructor runs on in its thread (page-locking, streams, threads): wait for
+            # it, so that the failed start closes what it made before returning the pool.
+            with contextlib.suppress(Exception):
+                self._engine = await construct
+            raise
         self._engine_defers_indices = (type(self._engine).defers_indices
                                        is not TransferEngine.defers_indices)
         self._scheduler = Scheduler(config, self._pool, self._engine, self.metrics, loop,

@@ -207,12 +207,14 @@ class BatchHandle:
 
     def _wait_until(self, progress: _Progress, layer: int, timeout_s: float | None) -> None:
         ok = self._park(_ThreadWaiter(progress, layer + 1), timeout_s)
-        self._raise_if_failed(layer)
+        self.raise_if_failed(layer)
         if not ok:
             raise TimeoutError(f"layer {layer} of batch {self.batch.batch_id} not "
                                f"{progress.value} in time")
 
-    def _raise_if_failed(self, layer: int) -> None:
+    def raise_if_failed(self, layer: int) -> None:
+        """Raise ``TransferFailedError`` if the batch failed before ``layer`` was ready. Any
+        thread (reads fields the engine set before it finished the batch)."""
         if self.error is not None and self.layers_ready <= layer:
             raise TransferFailedError(
                 f"{self.batch.direction.value} batch {self.batch.batch_id} failed before "

@@ -379,7 +379,8 @@ class CudaEngine(TransferEngine):
             resolved = progress.recycled
             if not resolved:
                 progress.probes.append(probe)
-        if resolved:  # completed between the check above and now
+        if resolved:  # completed between the check above and now: landed, or failed first
+            handle.raise_if_failed(layer)
             call_classify(classify, *ON_TIME)
             return
         try:
@@ -399,6 +400,7 @@ class CudaEngine(TransferEngine):
                 probe.armed = True  # the completion thread classifies it
                 return
             result = probe.verdict or ON_TIME  # resolved by the completion thread meanwhile
+        handle.raise_if_failed(layer)  # it ended meanwhile: landed, or failed first
         call_classify(classify, *result)
 
     # --- shutdown ---------------------------------------------------------------------------
