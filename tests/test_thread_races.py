@@ -168,3 +168,22 @@ async def test_a_loop_request_whose_host_pages_a_taken_release_freed_is_refused(
             service.release(done.host_pages)
         await asyncio.sleep(0)
         assert service.statistics() == start
+
+
+@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
+def test_every_thread_submission_is_taken_when_the_loop_drains_at_once(tmp_path, loop_kind):
+    """One request at a time from a worker thread, the loop idle in between: scheduling the
+    loop's wake-up can let it drain at once, before the poster returns. No submission may be
+    stranded by that: each is taken and ends (on asyncio's own loop too, where it showed)."""
+    import uvloop
+
+    async def main() -> None:
+        service, _ = make_service(tmp_path, layers=LAYERS)
+        async with service, asyncio.timeout(120):
+            for _ in range(600):
+                transfer = await asyncio.to_thread(service.evict_threadsafe, tokens([1]))
+                async with asyncio.timeout(5):
+                    result = await transfer
+                service.release(result.host_pages)
+
+    (asyncio.run if loop_kind == "asyncio" else uvloop.run)(main())

@@ -119,12 +119,16 @@ class ThreadInbox:
         self._items.append(item)
         if self._scheduled:
             return
+        # The flag is set before the wake-up is scheduled: scheduling it can let the loop run
+        # that drain at once (it clears the flag and takes the item), and a flag set after it
+        # would then claim a drain that no longer exists, stranding every later post.
+        self._scheduled = True
         try:
             self._loop.call_soon_threadsafe(self.drain)
         except RuntimeError:  # the loop is closed: nobody is left to take it
+            self._scheduled = False
             self._items.pop()
             raise ServiceClosedError("the service's event loop is closed") from None
-        self._scheduled = True
         self.wakeups += 1
 
     # --- loop thread ----------------------------------------------------------------------
