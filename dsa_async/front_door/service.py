@@ -734,5 +734,9 @@ async def _on_daemon_thread(fn: Callable[[], object], name: str) -> object:
         with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
             loop.call_soon_threadsafe(settle, outcome)
 
-    threading.Thread(target=run, name=name, daemon=True).start()
-    return await done
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    result = await done  # a cancelled wait does not wait for the thread (it may never end)
+    while thread.is_alive():  # it ends right after handing over: gone when this returns
+        await asyncio.sleep(0.001)
+    return result
