@@ -75,8 +75,7 @@ def test_interpreter_exit_without_stop_closes_the_service_and_returns_the_reserv
         "owner.service.evict_threadsafe(tokens([1])).wait(10)",
         "print('started', flush=True)",
     ])
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=120)
+    done = _run(script, timeout_s=120)
     assert done.returncode == 0, done.stderr
     assert "started" in done.stdout
     assert done.stderr == "", done.stderr  # nothing failed while closing at exit
@@ -102,6 +101,12 @@ def test_a_stop_that_times_out_leaves_the_close_running_and_a_later_stop_finishe
     assert owner.service.state is ServiceState.CLOSED and not owner._thread.is_alive()
     assert transfer.wait(WAIT_S).pages == 2
     assert HostLedger(str(tmp_path / "ledger")).peek() == ()
+
+
+def _run(script: str, *, timeout_s: float) -> subprocess.CompletedProcess:
+    """Run ``script`` in a fresh interpreter; its exit code and output."""
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=timeout_s)
 
 
 def _exit_script(tmp_path, body: list[str], **config) -> str:
@@ -132,8 +137,7 @@ def test_a_forked_child_exits_and_the_parent_still_closes_at_exit(tmp_path):
         "_, status = os.waitpid(pid, 0)",
         "print('child', os.waitstatus_to_exitcode(status), flush=True)",
     ])
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=60)
+    done = _run(script, timeout_s=60)
     assert done.returncode == 0, done.stderr
     assert "child 0" in done.stdout
     assert HostLedger(str(tmp_path / "ledger")).peek() == ()
@@ -151,7 +155,6 @@ def test_exit_is_bounded_when_a_copy_never_ends(tmp_path):
         "time.sleep(0.3)",
         "print('exiting', flush=True)",
     ], drain_timeout_s=0.5)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=90)
+    done = _run(script, timeout_s=90)
     assert "exiting" in done.stdout
     assert "did not close within" in done.stderr

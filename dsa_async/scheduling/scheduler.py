@@ -253,14 +253,18 @@ class Scheduler:
                     self._expiry_handle = None
                 self._arm_expiry()
             return False
-        if self._host_wait_since:
-            self._host_wait_since.pop(request, None)
-        if self._host_waited_s:
-            self._host_waited_s.pop(request, None)
+        self._stop_host_wait(request)
         request.host_handle = handle
         request.host_pages = handle.page_seq
         self.hazards.register_fresh_host_writes(request)
         return True
+
+    def _stop_host_wait(self, request: Request) -> None:
+        """``request`` no longer waits for host pages (it got them, or it ended)."""
+        if self._host_wait_since:
+            self._host_wait_since.pop(request, None)
+        if self._host_waited_s:
+            self._host_waited_s.pop(request, None)
 
     def _submit(self, direction: Direction, requests: list[Request]) -> None:
         """Hand ``requests`` to the engine: one batch for all of them, except that a request
@@ -392,10 +396,7 @@ class Scheduler:
             self.queues[request.direction] = [r for r in self.queues[request.direction]
                                               if r is not request]
         request.state = FINISHED
-        if self._host_wait_since:
-            self._host_wait_since.pop(request, None)
-        if self._host_waited_s:
-            self._host_waited_s.pop(request, None)
+        self._stop_host_wait(request)
         self.hazards.retire(request)  # its host pages may be released again
         handle = request.host_handle
         if (request.owns_host and outcome is not DONE and handle is not None
