@@ -20,6 +20,7 @@ import enum
 import functools
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -148,9 +149,56 @@ class Staging:
 def copy_layers_cpu(binding: PoolBinding, plan: PagePlan, direction: Direction, first: int,
                     last: int, staging: Staging, crew: CopyCrew | None = None) -> None:
     """Copy layers ``[first, last)`` of one pool for ``plan``. Blocks the calling thread (and
-    uses ``crew``'s helpers, when given, for short run copies through a fused device view)."""
-    to_host = direction is Direction.D2H
-    if plan.uses_fused(binding, to_host):
+    uses ``crew``'s helpers, when given, for short run copies through a fused device view).
+    A caller that copies one batch in several calls builds :class:`LayerCopies` once."""
+    LayerCopies(binding, plan, direction, staging, crew).run(first, last)
+
+
+class LayerCopies:
+    """One pool's copy of one batch (``plan``), run layer range by layer range.
+
+    The per-layer index calls are bound once and kept, so layers run back to back pay only the
+    calls themselves between layers: the Python work between per-layer calls (views, slices,
+    plan lookups) once cost 10 % of a load from host extents, while the copy threads waited.
+    A layer's calls are bound when it first runs, or by :meth:`bind_all` (a load binds the
+    rest after its first layers, so binding them does not delay the first layer). Not
+    thread-safe; blocks only in :meth:`run`."""
+
+    __slots__ = ("_binding", "_plan", "_to_host", "_crew", "_staging", "_fused", "_segments",
+                 "_per_layer")
+
+    def __init__(self, binding: PoolBinding, plan: PagePlan, direction: Direction,
+                 staging: Staging, crew: CopyCrew | None = None) -> None:
+        self._binding, self._plan, self._crew, self._staging = binding, plan, crew, staging
+        self._to_host = to_host = direction is Direction.D2H
+        self._fused = plan.uses_fused(binding, to_host)
+        self._segments = plan.mode is CopyMode.SEGMENTS and binding.host_rows_contiguous
+        self._per_layer: list[tuple[Callable[[], object], ...] | None] = (
+            [] if self._fused else [None] * binding.geometry.num_layers)
+
+    def _bind(self, layer: int) -> tuple[Callable[[], object], ...]:
+        host_w, dev_w = self._binding.layers_wide[layer]
+        calls = self._per_layer[layer] = (
+            _segment_calls(host_w, dev_w, self._plan, self._to_host) if self._segments
+            else _scattered_calls(host_w, dev_w, self._plan, self._to_host, self._staging))
+        return calls
+
+    def bind_all(self) -> None:
+        """Bind every layer not bound yet (a few us per layer). Does not copy."""
+        for layer, calls in enumerate(self._per_layer):
+            if calls is None:
+                self._bind(layer)
+
+    def run(self, first: int, last: int) -> None:
+        """Copy layers ``[first, last)``. Blocks the calling thread."""
+        if not self._fused:
+            per_layer = self._per_layer
+            for layer in range(first, last):
+                calls = per_layer[layer]
+                for call in self._bind(layer) if calls is None else calls:
+                    call()
+            return
+        binding, plan, to_host, crew = self._binding, self._plan, self._to_host, self._crew
         host, dev = binding.host[first:last], binding.device_fused[first:last]
         if not to_host and plan.mode is CopyMode.SEGMENTS:
             _scatter_segments_fused(*same_width(host, dev), plan)
@@ -167,13 +215,6 @@ def copy_layers_cpu(binding: PoolBinding, plan: PagePlan, direction: Direction, 
         # Long runs stay on bytes: torch splits each such copy across its threads (wide
         # elements measured slower there, 0.43 vs 0.71).
         _run_copies(host, dev, to_host, runs)
-        return
-    segments = plan.mode is CopyMode.SEGMENTS and binding.host_rows_contiguous
-    for host_w, dev_w in binding.layers_wide[first:last]:
-        if segments:
-            _copy_segments(host_w, dev_w, plan, to_host)
-        else:
-            _copy_scattered(host_w, dev_w, plan, to_host, staging)
 
 
 def _run_copies(host: torch.Tensor, dev: torch.Tensor, to_host: bool,
@@ -197,29 +238,35 @@ def _scatter_segments_fused(host: torch.Tensor, dev: torch.Tensor, plan: PagePla
             dev.index_copy_(1, seg.device_index, h)
 
 
-def _copy_segments(host: torch.Tensor, dev: torch.Tensor, plan: PagePlan, to_host: bool) -> None:
-    """One layer; ``host`` and ``dev`` in one element type (``PoolBinding.layers_wide``)."""
+def _segment_calls(host: torch.Tensor, dev: torch.Tensor, plan: PagePlan, to_host: bool
+                   ) -> tuple[Callable[[], object], ...]:
+    """One layer's calls, a single pass per host segment; ``host`` and ``dev`` in one element
+    type (``PoolBinding.layers_wide``)."""
+    calls = []
     for seg in plan.segments:
         h = host[seg.host_start:seg.host_start + seg.num_pages]
         if seg.device_index is None:
             d = dev[seg.device_start:seg.device_start + seg.num_pages]
-            (h.copy_(d) if to_host else d.copy_(h))
+            calls.append(functools.partial(h.copy_, d) if to_host
+                         else functools.partial(d.copy_, h))
         elif to_host:
-            torch.index_select(dev, 0, seg.device_index, out=h)
+            calls.append(functools.partial(torch.index_select, dev, 0, seg.device_index, out=h))
         else:
-            dev.index_copy_(0, seg.device_index, h)
+            calls.append(functools.partial(dev.index_copy_, 0, seg.device_index, h))
+    return tuple(calls)
 
 
-def _copy_scattered(host: torch.Tensor, dev: torch.Tensor, plan: PagePlan, to_host: bool,
-                    staging: Staging) -> None:
-    """One layer; ``host`` and ``dev`` in one element type (``PoolBinding.layers_wide``)."""
+def _scattered_calls(host: torch.Tensor, dev: torch.Tensor, plan: PagePlan, to_host: bool,
+                     staging: Staging) -> tuple[Callable[[], object], ...]:
+    """One layer's calls, a gather into ``staging`` then a scatter; ``host`` and ``dev`` in one
+    element type (``PoolBinding.layers_wide``)."""
     src, dst = (dev, host) if to_host else (host, dev)
     src_index, dst_index = (
         (plan.device_index, plan.host_index) if to_host else (plan.host_index, plan.device_index)
     )
     buffer = staging.rows(src, plan.num_pages)
-    torch.index_select(src, 0, src_index, out=buffer)
-    dst.index_copy_(0, dst_index, buffer)
+    return (functools.partial(torch.index_select, src, 0, src_index, out=buffer),
+            functools.partial(dst.index_copy_, 0, dst_index, buffer))
 
 
 def measure_fused_for_short_runs(binding: PoolBinding, *, sample_pages: int = 16,

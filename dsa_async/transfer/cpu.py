@@ -28,7 +28,7 @@ from ..kinds import Backend, Direction
 from .base import TransferEngine
 from .batch import BatchHandle, CopyBatch
 from .copy_crew import CopyCrew, crew_threads
-from .copyplan import PagePlan, Staging, copy_layers_cpu, measure_fused_for_short_runs
+from .copyplan import LayerCopies, PagePlan, Staging, measure_fused_for_short_runs
 
 #: How often a worker blocked on a dependency or producer checks whether waits were abandoned.
 WAIT_POLL_S = 0.1
@@ -181,23 +181,26 @@ class CpuEngine(TransferEngine):
         if plan.num_pages == 0:
             return due
         bindings = list(self.bindings.values())
+        copies = [(LayerCopies(b, plan, direction, staging, crew), b.geometry.num_layers)
+                  for b in bindings]
         if direction is Direction.D2H:
             if self.fault_hook is not None:
                 self.fault_hook(batch, 0)
-            for binding in bindings:
-                copy_layers_cpu(binding, plan, direction, 0, binding.geometry.num_layers, staging,
-                                crew)
+            for pool_copies, layers in copies:
+                pool_copies.bind_all()
+                pool_copies.run(0, layers)
             return due
         # Pools share readiness, so the finest grouping of any pool sets the pace.
         groups = min((plan.layer_groups(b, self.num_layers) for b in bindings), key=len)
         for first, last in groups:
             if self.fault_hook is not None:
                 self.fault_hook(batch, first)
-            for binding in bindings:
-                layers = binding.geometry.num_layers
+            for pool_copies, layers in copies:
                 if first < layers:
-                    copy_layers_cpu(binding, plan, direction, first, min(last, layers), staging,
-                                    crew)
+                    pool_copies.run(first, min(last, layers))
             for callback in handle.mark_ready(last):
                 self.handoff.post(callback)  # per-layer readiness reaches the loop now
+            if first == 0:  # the first layers are out: bind the rest, to run back to back
+                for pool_copies, _layers in copies:
+                    pool_copies.bind_all()
         return due
