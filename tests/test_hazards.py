@@ -76,6 +76,8 @@ def test_dependencies_and_busy_pages_match_a_brute_force_model(data):
             free = [p for p in range(PAGES) if p not in used][:request.num_pages]
             if len(free) < request.num_pages:
                 continue
+            if free[-1] - free[0] == len(free) - 1:  # one run: the pool hands it out as a range
+                free = range(free[0], free[-1] + 1)
             request.host_pages = free
             table.register_fresh_host_writes(request)
         else:
@@ -83,9 +85,14 @@ def test_dependencies_and_busy_pages_match_a_brute_force_model(data):
             size = data.draw(st.sampled_from([4, 40]))  # small ones and large ones
             device = _pages(data.draw, size)
             without_host = direction is D2H and data.draw(st.booleans())
-            host = None if without_host else data.draw(
-                st.lists(st.integers(0, PAGES - 1), min_size=len(device),
-                         max_size=len(device), unique=True))
+            if without_host:
+                host = None
+            elif data.draw(st.booleans()):  # one run of host pages, as an allocation gives
+                start = data.draw(st.integers(0, PAGES - len(device)))
+                host = range(start, start + len(device))
+            else:
+                host = data.draw(st.lists(st.integers(0, PAGES - 1), min_size=len(device),
+                                          max_size=len(device), unique=True))
             unknown = data.draw(st.integers(0, 4)) == 0  # device indices read later
             request = Request(direction, range(0) if unknown else device, host, without_host,
                               None, 0, 0.0, 0, 0, None)

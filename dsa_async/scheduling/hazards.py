@@ -20,10 +20,12 @@ pending load; a load follows every pending backup and load), and every later req
 touches device pages in a conflicting way follows it. Its host pages are ordinary entries.
 
 Cost. A request of a few pages (the common case) costs a few dict operations per page. A long
-request (``BULK_PAGES`` or more) is one entry holding the set of its pages: admitting it costs
-building that set and set intersections that iterate the smaller side, and retiring it is
-O(1), so a 1,024-page request no longer pays a dict insert and delete per page and per table.
-Which host pages are busy is a count per host page, updated by numpy for long requests.
+request (``BULK_PAGES`` or more) is one entry holding its pages as given (a range or a list):
+admitting it costs set operations in C that iterate its pages once per table holding other
+requests (nothing while the tables are empty), a set of a long list is made only when another
+request has to test membership in it, and retiring it is O(1), so a 1,024-page request does not
+pay a dict insert and delete per page and per table. Which host pages are busy is a count per
+host page, updated by numpy (a slice for a run of pages) for long requests.
 """
 
 from __future__ import annotations
@@ -43,18 +45,50 @@ if TYPE_CHECKING:
 BULK_PAGES = 16
 
 
+class _Bulk:
+    """A long request's entry in a table: its pages as given (a ``range`` or a list), and a
+    set of them made only when another request first has to test membership in them."""
+
+    __slots__ = ("request", "pages", "_lookup")
+
+    def __init__(self, request: Request, pages) -> None:
+        self.request = request
+        self.pages = pages
+        self._lookup = pages if type(pages) is range else None
+
+    def lookup(self) -> range | set[int]:
+        """The pages as a container with O(1) ``in`` (a range is one already)."""
+        lookup = self._lookup
+        if lookup is None:
+            lookup = self._lookup = set(self.pages)
+        return lookup
+
+
+def _disjoint(entry: _Bulk, pages, mine: list) -> bool:
+    """Whether ``entry`` shares no page with ``pages`` (a long request's pages: a range or a
+    list). ``mine``: a one-slot cache of ``pages`` as a set, made at most once per admission."""
+    theirs = entry.pages
+    if type(theirs) is range:
+        if type(pages) is range:
+            return theirs.stop <= pages.start or pages.stop <= theirs.start
+        if not mine:
+            mine.append(set(pages))
+        return mine[0].isdisjoint(theirs)  # iterates the range
+    return entry.lookup().isdisjoint(pages)  # iterates ``pages``
+
+
 class _Table:
     """Pending requests per page, for one side (host or device) and one role (read or write).
 
     ``small``: page -> the pending request, or a list of them in admission order when there are
     several (one per page is the common case: no list to allocate). ``bulk``: long requests,
-    each as (request, set of its pages)."""
+    each one :class:`_Bulk` entry."""
 
     __slots__ = ("small", "bulk")
 
     def __init__(self) -> None:
         self.small: dict[int, Request | list[Request]] = {}
-        self.bulk: list[tuple[Request, frozenset[int] | set[int]]] = []
+        self.bulk: list[_Bulk] = []
 
     def requests(self):
         """Every pending request of this table (a request may come more than once)."""
@@ -63,20 +97,21 @@ class _Table:
                 yield from pending
             else:
                 yield pending
-        for request, _pages in self.bulk:
-            yield request
+        for entry in self.bulk:
+            yield entry.request
 
-    def follow(self, found: dict, pages, page_set, needs_data: bool) -> None:
-        """Add to ``found`` every request of this table pending on one of ``pages``
-        (``page_set``: the same pages as a set, for long requests; else ``None``)."""
+    def follow(self, found: dict, pages, is_bulk: bool, needs_data: bool) -> None:
+        """Add to ``found`` every request of this table pending on one of ``pages`` (a range or
+        a list; ``is_bulk``: a long request's, checked without a dict lookup per page)."""
         small, bulk = self.small, self.bulk
-        if page_set is not None:
-            if small and not small.keys().isdisjoint(page_set):  # iterates the smaller side
-                for page in small.keys() & page_set:
+        if is_bulk:
+            if small and not small.keys().isdisjoint(pages):  # iterates the smaller side
+                for page in small.keys() & pages:
                     _depend(found, small[page], needs_data)
-            for request, their_pages in bulk:
-                if not their_pages.isdisjoint(page_set):
-                    found.setdefault(id(request), (request, needs_data))
+            mine: list = []
+            for entry in bulk:
+                if not _disjoint(entry, pages, mine):
+                    found.setdefault(id(entry.request), (entry.request, needs_data))
             return
         if small:
             get = small.get
@@ -84,15 +119,16 @@ class _Table:
                 pending = get(page)
                 if pending is not None:
                     _depend(found, pending, needs_data)
-        for request, their_pages in bulk:
+        for entry in bulk:
+            lookup = entry.lookup()
             for page in pages:
-                if page in their_pages:
-                    found.setdefault(id(request), (request, needs_data))
+                if page in lookup:
+                    found.setdefault(id(entry.request), (entry.request, needs_data))
                     break
 
-    def add(self, request: Request, pages, page_set) -> None:
-        if page_set is not None:
-            self.bulk.append((request, page_set))
+    def add(self, request: Request, pages, is_bulk: bool) -> None:
+        if is_bulk:
+            self.bulk.append(_Bulk(request, pages))
             return
         small = self.small
         for page in pages:
@@ -106,8 +142,8 @@ class _Table:
 
     def remove_bulk(self, request: Request) -> None:
         entries = self.bulk
-        for i, (pending, _pages) in enumerate(entries):
-            if pending is request:
+        for i, entry in enumerate(entries):
+            if entry.request is request:
                 del entries[i]
                 return
         raise AssertionError("a long request was not in its table")
@@ -121,13 +157,10 @@ def _depend(found: dict, pending: Request | list[Request], needs_data: bool) -> 
         found.setdefault(id(pending), (pending, needs_data))
 
 
-def _as_set(pages) -> set[int] | None:
-    return set(pages) if len(pages) >= BULK_PAGES else None
-
-
-def _as_index(pages) -> np.ndarray:
+def _host_index(pages) -> slice | np.ndarray:
+    """Host pages (a range or a list) as an index into the per-page counts."""
     if type(pages) is range:
-        return np.arange(pages.start, pages.stop, dtype=np.intp)
+        return slice(pages.start, pages.stop)
     return np.fromiter(pages, dtype=np.intp, count=len(pages))
 
 
@@ -159,7 +192,7 @@ class HazardTable:
     def _hold_host(self, pages) -> None:
         """One more pending copy on each of ``pages`` (distinct host pages)."""
         if len(pages) >= BULK_PAGES:
-            index = _as_index(pages)
+            index = _host_index(pages)
             refs = self._host_refs_np
             refs[index] += 1
             self.busy_host_pages += int(np.count_nonzero(refs[index] == 1))
@@ -176,7 +209,7 @@ class HazardTable:
     def _drop_host(self, pages) -> None:
         """One pending copy less on each of ``pages`` (distinct host pages; a long request:
         the short ones do this inline in :meth:`retire`)."""
-        index = _as_index(pages)
+        index = _host_index(pages)
         refs = self._host_refs_np
         refs[index] -= 1
         self.busy_host_pages -= int(np.count_nonzero(refs[index] == 0))
@@ -249,18 +282,18 @@ class HazardTable:
     def _admit_tables(self, request: Request, d, other, reads, writes, found: dict) -> None:
         """:meth:`admit`'s page work when a long request is involved (the general path)."""
         if reads:
-            read_set = _as_set(reads)
-            self._writers[other].follow(found, reads, read_set, d is H2D)
-            self._add(self._readers[d], request, reads, read_set)
+            bulk = len(reads) >= BULK_PAGES
+            self._writers[other].follow(found, reads, bulk, d is H2D)
+            self._add(self._readers[d], request, reads, bulk)
         if writes:
-            write_set = _as_set(writes)
-            self._writers[d].follow(found, writes, write_set, False)
-            self._readers[other].follow(found, writes, write_set, False)
-            self._add(self._writers[d], request, writes, write_set)
+            bulk = len(writes) >= BULK_PAGES
+            self._writers[d].follow(found, writes, bulk, False)
+            self._readers[other].follow(found, writes, bulk, False)
+            self._add(self._writers[d], request, writes, bulk)
 
-    def _add(self, table: _Table, request: Request, pages, page_set) -> None:
-        table.add(request, pages, page_set)
-        if page_set is not None:
+    def _add(self, table: _Table, request: Request, pages, is_bulk: bool) -> None:
+        table.add(request, pages, is_bulk)
+        if is_bulk:
             self._bulk_entries += 1
 
     def _follow_every_device_page(self, request: Request, found: dict) -> None:
@@ -278,8 +311,8 @@ class HazardTable:
         """Register host pages allocated after admission (they were free: nothing to follow)."""
         pages = request.host_pages
         if len(pages) >= BULK_PAGES:
-            assert not self.host_pages_busy(pages), "a free host page was in use"
-            self._add(self._writers[D2H], request, pages, set(pages))
+            assert not self._host_refs_np[_host_index(pages)].any(), "a free host page was in use"
+            self._add(self._writers[D2H], request, pages, True)
             self._hold_host(pages)
             return
         writers, refs = self._writers[D2H].small, self._host_refs
