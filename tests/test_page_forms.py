@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from page_seq_checks import page_seq_values
 
 from dsa_async import Pages
 from dsa_async.errors import IndexTypeError, IndexValueError, PageAlignmentError
@@ -42,8 +43,7 @@ def _general_pages(value, bound=BOUND):
 
 def _fast_pages(value, bound=BOUND):
     pages, padding = tokens_to_page_seq(value, "t", bound, PS)
-    assert type(pages) in (range, list)
-    return list(pages), padding
+    return page_seq_values(pages), padding
 
 
 def _general_pairs(host, device):

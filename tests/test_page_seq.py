@@ -5,6 +5,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from page_seq_checks import page_seq_values
 
 from dsa_async.errors import IndexTypeError, IndexValueError, PageAlignmentError
 from dsa_async.paging.runs import compact, concat_pages
@@ -44,8 +45,7 @@ def test_fast_pages_equal_full_validation(tokens):
     expected = tokens_to_pages(np.asarray(tokens, dtype=np.int64), PS)
     for form in _forms(tokens):
         pages, padding = tokens_to_page_seq(form, name="t", upper_bound=BOUND, page_size_tokens=PS)
-        assert type(pages) in (range, list)
-        assert list(pages) == expected.pages.tolist()
+        assert page_seq_values(pages) == expected.pages.tolist()
         assert padding == expected.padding_tokens
 
 
@@ -98,6 +98,19 @@ def test_compact_and_concat():
     assert compact(np.zeros(0, dtype=np.int64)) == range(0)
     batch = concat_pages([range(3, 5), [9, 1], range(0)], 4)
     assert batch.dtype == np.int64 and batch.tolist() == [3, 4, 9, 1]
+
+
+def test_long_page_lists_keep_a_private_array_that_batches_read():
+    source = np.random.default_rng(0).permutation(4096)[:1024].astype(np.int64)
+    pages = compact(source)
+    assert page_seq_values(pages) == source.tolist()
+    expected = source.tolist()
+    source[:] = 0  # the caller's array changing later changes nothing the request holds
+    assert page_seq_values(pages) == expected
+    assert concat_pages([pages], len(pages)).tolist() == expected
+    # Mixed with other forms: one array of every page, in order.
+    batch = concat_pages([range(5000, 5002), pages, [7]], len(pages) + 3)
+    assert batch.tolist() == [5000, 5001, *expected, 7]
 
 
 @pytest.mark.parametrize("n", [513, 5000])

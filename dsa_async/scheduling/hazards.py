@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..kinds import D2H, H2D
+from ..paging.runs import PageList
 
 if TYPE_CHECKING:
     from .request import Request
@@ -161,6 +162,8 @@ def _host_index(pages) -> slice | np.ndarray:
     """Host pages (a range or a list) as an index into the per-page counts."""
     if type(pages) is range:
         return slice(pages.start, pages.stop)
+    if type(pages) is PageList:
+        return pages.array
     return np.fromiter(pages, dtype=np.intp, count=len(pages))
 
 
