@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 
 import numpy as np
 import pytest
@@ -56,17 +57,29 @@ def _page_sets(rng, n):
     yield np.arange(start, start + n), np.arange(device_start, device_start + n)
 
 
-async def _round_trip_is_exact(engine, device, host_pages, device_pages, rng) -> None:
+async def _round_trip_is_exact(engine, device, host_pages, device_pages, rng,
+                               load_waits: bool | None = None) -> None:
     """Back ``device_pages`` up into ``host_pages``, load them into other device pages, and
-    check every pool's layers carry the original bytes there."""
+    check every pool's layers carry the original bytes there. ``load_waits``: the load is
+    submitted while its producer is unfinished (the engine binds its layers during the wait)
+    or after the backup ended (it binds them layer by layer); ``None``: as it happens."""
     n = host_pages.size
     targets = rng.permutation(np.setdiff1d(np.arange(DEVICE_PAGES), device_pages))
     targets = targets[:n].astype(np.int64)
     index = torch.from_numpy(device_pages)
     expected = {k: [t[index].clone() for t in v] for k, v in device.items()}
     backup = engine.submit(CopyBatch(Direction.D2H, host_pages, device_pages))
+    producer = threading.Event()
+    if load_waits is False:
+        await asyncio.to_thread(backup.done.wait)
+        producer.set()
     load = engine.submit(CopyBatch(Direction.H2D, host_pages, targets,
-                                   deps=(Dependency(backup, True),)))
+                                   deps=(Dependency(backup, True),), after=(producer,)))
+    if load_waits:
+        while not engine._queues[Direction.H2D].empty():  # the worker took it: it waits now
+            await asyncio.sleep(0)
+        assert not load.done.is_set()
+    producer.set()
     await asyncio.to_thread(load.done.wait)
     assert backup.error is None and load.error is None
     for name, layers_ in device.items():
@@ -89,7 +102,9 @@ async def test_round_trips_are_byte_exact(layout, fused, layers, with_kv):
                 for host_pages, device_pages in _page_sets(rng, n):
                     host_pages = host_pages.astype(np.int64)
                     device_pages = device_pages.astype(np.int64)
-                    await _round_trip_is_exact(engine, device, host_pages, device_pages, rng)
+                    for load_waits in (True, False):
+                        await _round_trip_is_exact(engine, device, host_pages, device_pages,
+                                                   rng, load_waits)
     finally:
         await asyncio.to_thread(engine.close)
 

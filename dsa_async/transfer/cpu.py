@@ -125,9 +125,15 @@ class CpuEngine(TransferEngine):
             due = []
             started = time.perf_counter()
             try:
+                # A load must not bind all its layers before its first one (that delays the
+                # first layer a consumer waits for); one that has to wait anyway binds them
+                # during the wait, so that its layers then run back to back.
+                ahead = None
+                if _will_wait(handle.batch):
+                    ahead = self._layer_copies(handle.batch, direction, staging, crew)
                 self._wait_dependencies(handle)
                 started = time.perf_counter()
-                due = self._copy(handle, direction, staging, crew)
+                due = self._copy(handle, direction, staging, crew, ahead)
                 error = None
             except BaseException as exc:  # noqa: BLE001 - reported to every waiter
                 error = exc
@@ -173,17 +179,33 @@ class CpuEngine(TransferEngine):
         if handle.skip_requested:
             raise CopySkipped("cancelled before its copy started; it never ran")
 
-    def _copy(self, handle: BatchHandle, direction: Direction, staging: Staging,
-              crew: CopyCrew) -> list:
-        batch = handle.batch
-        plan = PagePlan.build(batch.host_pages, batch.resolve_device_pages())
-        due = []
-        if plan.num_pages == 0:
-            return due
-        bindings = list(self.bindings.values())
+    def _layer_copies(self, batch: CopyBatch, direction: Direction, staging: Staging,
+                      crew: CopyCrew) -> tuple[PagePlan, list[tuple[LayerCopies, int]]]:
+        """The batch's plan and, per pool, its copies with every layer bound (known device
+        pages only: device indices are read after the producers)."""
+        plan = PagePlan.build(batch.host_pages, batch.device_pages)
         copies = [(LayerCopies(b, plan, direction, staging, crew), b.geometry.num_layers)
-                  for b in bindings]
-        if direction is Direction.D2H:
+                  for b in self.bindings.values()]
+        for pool_copies, _layers in copies:
+            pool_copies.bind_all()
+        return plan, copies
+
+    def _copy(self, handle: BatchHandle, direction: Direction, staging: Staging,
+              crew: CopyCrew, ahead: tuple[PagePlan, list] | None = None) -> list:
+        """Copy the batch; ``ahead``: its plan and bound copies, made while it waited."""
+        batch = handle.batch
+        due = []
+        if ahead is None:
+            plan = PagePlan.build(batch.host_pages, batch.resolve_device_pages())
+            if plan.num_pages == 0:
+                return due
+            copies = [(LayerCopies(b, plan, direction, staging, crew), b.geometry.num_layers)
+                      for b in self.bindings.values()]
+        else:
+            plan, copies = ahead
+            if plan.num_pages == 0:
+                return due
+        if direction is Direction.D2H:  # no layer is ready before the whole batch: bind all
             if self.fault_hook is not None:
                 self.fault_hook(batch, 0)
             for pool_copies, layers in copies:
@@ -191,7 +213,8 @@ class CpuEngine(TransferEngine):
                 pool_copies.run(0, layers)
             return due
         # Pools share readiness, so the finest grouping of any pool sets the pace.
-        groups = min((plan.layer_groups(b, self.num_layers) for b in bindings), key=len)
+        groups = min((plan.layer_groups(b, self.num_layers) for b in self.bindings.values()),
+                     key=len)
         for first, last in groups:
             if self.fault_hook is not None:
                 self.fault_hook(batch, first)
@@ -200,7 +223,18 @@ class CpuEngine(TransferEngine):
                     pool_copies.run(first, min(last, layers))
             for callback in handle.mark_ready(last):
                 self.handoff.post(callback)  # per-layer readiness reaches the loop now
-            if first == 0:  # the first layers are out: bind the rest, to run back to back
-                for pool_copies, _layers in copies:
-                    pool_copies.bind_all()
         return due
+
+
+def _will_wait(batch: CopyBatch) -> bool:
+    """Whether the batch has an unfinished dependency or producer (known device pages only)."""
+    if batch.device_indices is not None:
+        return False
+    for dep in batch.deps:
+        if not dep.handle.finished:
+            return True
+    for producer in batch.after:
+        if not (producer.done() if isinstance(producer, concurrent.futures.Future)
+                else producer.is_set()):
+            return True
+    return False
