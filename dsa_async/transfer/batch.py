@@ -43,6 +43,8 @@ class CopyBatch:
     one must follow (hazards). ``device_indices``: the device pages are not known yet (a
     device index tensor on the GPU, device_indices.py): the engine resolves them on its issue
     thread, after the producers (:meth:`resolve_device_pages`), and ``device_pages`` is empty.
+    The page arrays are read-only: a batch of one long request shares its array with that
+    request (``paging.runs.PageList``), and engines only read them.
     """
 
     direction: Direction
