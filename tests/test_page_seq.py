@@ -1,5 +1,8 @@
 """The per-request page form must agree exactly with the full numpy validation it short-cuts."""
 
+import copy
+import pickle
+
 import numpy as np
 import pytest
 import torch
@@ -111,6 +114,11 @@ def test_long_page_lists_keep_a_private_array_that_batches_read():
     # Mixed with other forms: one array of every page, in order.
     batch = concat_pages([range(5000, 5002), pages, [7]], len(pages) + 3)
     assert batch.tolist() == [5000, 5001, *expected, 7]
+    # A copy or a pickle (any protocol) is a plain list: no array that could disagree with it.
+    for other in (copy.copy(pages), copy.deepcopy(pages),
+                  *(pickle.loads(pickle.dumps(pages, protocol))
+                    for protocol in range(pickle.HIGHEST_PROTOCOL + 1))):
+        assert type(other) is list and other == expected
 
 
 @pytest.mark.parametrize("n", [513, 5000])

@@ -48,8 +48,8 @@ class HostPages:
     """A handle to host pages from one allocation, in order: ``runs`` of ``(start, num_pages)``.
 
     ``pages`` is the same as an ``int64 [n_pages]`` array (a fresh copy per call), ``page_seq``
-    as a ``range`` (one run) or a list. Valid until released; the pool refuses a released or
-    foreign handle.
+    as a ``range`` (one run) or a list (read it, never change it: the service reads it while
+    copies use the pages). Valid until released; the pool refuses a released or foreign handle.
     """
 
     __slots__ = ("runs", "allocation_id", "page_size_tokens", "num_pages", "page_seq")

@@ -95,6 +95,11 @@ class PageList(list):
 
     __slots__ = ("array",)
 
+    def __reduce__(self):
+        """Copies and pickles are plain lists: only the original keeps (and matches) the
+        array."""
+        return (list, (list(self),))
+
 
 def compact(pages: np.ndarray) -> PageSeq:
     """Distinct pages (``int64 [n]``) as a ``range`` if they are one ascending run, else a list

@@ -67,7 +67,8 @@ class _Bulk:
 
 def _disjoint(entry: _Bulk, pages, mine: list) -> bool:
     """Whether ``entry`` shares no page with ``pages`` (a long request's pages: a range or a
-    list). ``mine``: a one-slot cache of ``pages`` as a set, made at most once per admission."""
+    list). ``mine``: a one-slot cache of ``pages`` as a set, made at most once per table
+    looked at."""
     theirs = entry.pages
     if type(theirs) is range:
         if type(pages) is range:
