@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsa_async.kinds import Direction
+from dsa_async.paging.runs import compact
 from dsa_async.scheduling.hazards import HazardTable
 from dsa_async.scheduling.request import Request
 
@@ -17,7 +19,10 @@ def _pages(draw, max_size: int) -> range | list[int]:
     if draw(st.booleans()):
         start = draw(st.integers(0, PAGES - 1))
         return range(start, min(PAGES, start + draw(st.integers(1, max_size))))
-    return draw(st.lists(st.integers(0, PAGES - 1), min_size=1, max_size=max_size, unique=True))
+    pages = draw(st.lists(st.integers(0, PAGES - 1), min_size=1, max_size=max_size, unique=True))
+    if draw(st.booleans()):  # as the front door keeps them: a run, a list, or a PageList
+        return compact(np.asarray(pages, dtype=np.int64))
+    return pages
 
 
 def _model_pages(request: Request) -> tuple:
@@ -93,6 +98,8 @@ def test_dependencies_and_busy_pages_match_a_brute_force_model(data):
             else:
                 host = data.draw(st.lists(st.integers(0, PAGES - 1), min_size=len(device),
                                           max_size=len(device), unique=True))
+                if data.draw(st.booleans()):
+                    host = compact(np.asarray(host, dtype=np.int64))
             unknown = data.draw(st.integers(0, 4)) == 0  # device indices read later
             request = Request(direction, range(0) if unknown else device, host, without_host,
                               None, 0, 0.0, 0, 0, None)
