@@ -129,8 +129,9 @@ class CpuEngine(TransferEngine):
                 # first layer a consumer waits for); one that has to wait anyway binds them
                 # during the wait, so that its layers then run back to back.
                 ahead = None
-                if _will_wait(handle.batch):
-                    ahead = self._layer_copies(handle.batch, direction, staging, crew)
+                if _will_wait(handle.batch):  # known device pages: no indices to resolve
+                    ahead = self._layer_copies(handle.batch, handle.batch.device_pages,
+                                               direction, staging, crew, bind_all=True)
                 self._wait_dependencies(handle)
                 started = time.perf_counter()
                 due = self._copy(handle, direction, staging, crew, ahead)
@@ -179,15 +180,16 @@ class CpuEngine(TransferEngine):
         if handle.skip_requested:
             raise CopySkipped("cancelled before its copy started; it never ran")
 
-    def _layer_copies(self, batch: CopyBatch, direction: Direction, staging: Staging,
-                      crew: CopyCrew) -> tuple[PagePlan, list[tuple[LayerCopies, int]]]:
-        """The batch's plan and, per pool, its copies with every layer bound (known device
-        pages only: device indices are read after the producers)."""
-        plan = PagePlan.build(batch.host_pages, batch.device_pages)
+    def _layer_copies(self, batch: CopyBatch, device_pages, direction: Direction,
+                      staging: Staging, crew: CopyCrew, *, bind_all: bool = False
+                      ) -> tuple[PagePlan, list[tuple[LayerCopies, int]]]:
+        """The batch's plan and, per pool, its copies (``bind_all``: every layer bound now)."""
+        plan = PagePlan.build(batch.host_pages, device_pages)
         copies = [(LayerCopies(b, plan, direction, staging, crew), b.geometry.num_layers)
                   for b in self.bindings.values()]
-        for pool_copies, _layers in copies:
-            pool_copies.bind_all()
+        if bind_all:
+            for pool_copies, _layers in copies:
+                pool_copies.bind_all()
         return plan, copies
 
     def _copy(self, handle: BatchHandle, direction: Direction, staging: Staging,
@@ -195,16 +197,10 @@ class CpuEngine(TransferEngine):
         """Copy the batch; ``ahead``: its plan and bound copies, made while it waited."""
         batch = handle.batch
         due = []
-        if ahead is None:
-            plan = PagePlan.build(batch.host_pages, batch.resolve_device_pages())
-            if plan.num_pages == 0:
-                return due
-            copies = [(LayerCopies(b, plan, direction, staging, crew), b.geometry.num_layers)
-                      for b in self.bindings.values()]
-        else:
-            plan, copies = ahead
-            if plan.num_pages == 0:
-                return due
+        plan, copies = ahead if ahead is not None else self._layer_copies(
+            batch, batch.resolve_device_pages(), direction, staging, crew)
+        if plan.num_pages == 0:
+            return due
         if direction is Direction.D2H:  # no layer is ready before the whole batch: bind all
             if self.fault_hook is not None:
                 self.fault_hook(batch, 0)
