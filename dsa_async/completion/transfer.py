@@ -182,9 +182,14 @@ class Transfer:
     # --- per-layer readiness ---------------------------------------------------------------
 
     async def layer_ready(self, layer: int) -> None:
-        """Wait on the loop until ``layer`` of this prefetch is usable. Never blocks the loop."""
+        """Wait on the loop until ``layer`` of this prefetch is usable. Never blocks the loop.
+
+        A prefetch of 0 pages loads nothing: each of its layers is ready at once, and it counts
+        in no layer metric."""
         request = self._request
         layer = self._check_layer(layer)
+        if request.num_pages == 0:
+            return
         handle = request.handle
         if handle is not None and layer < handle.layers_ready:
             self._classify(layer, 0.0)
@@ -209,11 +214,13 @@ class Transfer:
         the layer's event (no CPU block on the copy). ``timeout_s`` bounds the whole wait
         (until the copy is submitted, and then until the layer is copied or enqueued): past
         it, ``TimeoutError``, and the transfer keeps running. Never call it on the event-loop
-        thread.
+        thread. A prefetch of 0 pages loads nothing: it returns at once, counting no layer.
         """
         request = self._request
         layer = self._check_layer(layer)
         timeout_s = _checked_timeout(timeout_s)
+        if request.num_pages == 0:
+            return
         waited_from = time.perf_counter()
         started = request.started
         if not started and not request.wait_started(timeout_s):
@@ -285,6 +292,8 @@ class Transfer:
         request = self._request
         future = request.future
         if not future.done() or future.cancelled() or future.exception() is not None:
+            return
+        if request.num_pages == 0:  # it loaded no layer: nothing to count
             return
         with WAITER_LOCK:
             seen = request.layer_seen

@@ -558,9 +558,20 @@ class Scheduler:
     # --- per-layer readiness --------------------------------------------------------------
 
     def layer_future(self, request: Request, layer: int) -> asyncio.Future:
+        """A future resolved when ``layer`` of ``request`` is usable (failed or cancelled as the
+        request is, if it ends without the layer). Loop thread; does not block."""
         future = self.loop.create_future()
         if request.handle is not None:
             self._watch_layer(request.handle, layer, future)
+        elif request.future.done():  # it ended before any copy: nothing will resolve a wait
+            ended = request.future
+            if ended.cancelled():
+                future.cancel()
+            elif ended.exception() is not None:
+                future.set_exception(ended.exception())
+                future.exception()  # its awaiter may have been cancelled
+            else:
+                future.set_result(None)  # done without a copy: nothing was left to load
         else:
             self._pending_layers.setdefault(request, []).append((layer, future))
         return future
