@@ -16,13 +16,14 @@ import torch
 from fake_roots import GIB, make_root
 from service_fixtures import PAGE, make_service, tokens
 
-from dsa_async import Pages
+from dsa_async import Pages, Transfer
 from dsa_async.cli import main as cli_main
 from dsa_async.config import PoolSize, ServiceConfig
 from dsa_async.errors import (
     ArgumentTypeError,
     ArgumentValueError,
     ConfigError,
+    DsaAsyncError,
     HostBudgetExceeded,
     HostPoolExhausted,
     IndexTypeError,
@@ -308,6 +309,13 @@ CASES = [
          ("'high'", "must be an int")),
     Case("deadline-inf", lambda s, h: s.prefetch(h, tokens([0, 1]), deadline_s=float("inf")),
          ArgumentValueError, ("inf", "finite number of seconds"), setup=allocated),
+    Case("deadline-int-beyond-a-float", lambda s, h: s.prefetch(h, tokens([0, 1]),
+                                                                deadline_s=10**400),
+         ArgumentValueError, ("finite number of seconds", "401 digits", "None for no deadline"),
+         setup=allocated),
+    Case("deadline-negative-int-beyond-a-float", lambda s, h: s.prefetch(
+        h, tokens([0, 1]), deadline_s=-10**400), ArgumentValueError, ("401 digits",),
+        setup=allocated),
     Case("deadline-type", lambda s, h: s.prefetch(h, tokens([0, 1]), deadline_s="soon"),
          ArgumentTypeError, ("'soon'", "finite number of seconds"), setup=allocated),
     Case("after-not-a-producer", lambda s, _: s.evict(tokens([0]), after="kernel"), ArgumentTypeError,
@@ -413,3 +421,54 @@ async def test_uint64_tokens_above_int64_are_reported_as_given(form, tmp_path):
             assert f"{side}[1] = {2**63 + 5} is out of range" in message, message
             assert "negative" not in message
         assert service.statistics() == before
+
+
+HUGE = 10**400  # an int no float or int64 holds
+
+
+@pytest.mark.parametrize("sign", [1, -1])
+async def test_every_numeric_argument_takes_an_int_of_any_size_or_refuses_it_clearly(
+        tmp_path, sign):
+    """Python ints have no bound: each numeric argument either accepts one far beyond a float
+    or an int64 (a priority, a timeout that means no bound) or refuses it with the service's
+    own error, never a builtin ``OverflowError`` from deep inside, and a refusal changes
+    nothing."""
+    huge = sign * HUGE
+    service, _ = make_service(tmp_path, host_pages=HOST_PAGES, device_pages=DEVICE_PAGES)
+    async with service, asyncio.timeout(BOUND_S):
+        held = service.allocate_host_pages(2)
+        load = service.prefetch(held, tokens([0, 1]))
+        await load
+        calls = {
+            "deadline_s": lambda: service.prefetch(held, tokens([0, 1]), deadline_s=huge),
+            "priority": lambda: service.evict(tokens([2]), priority=huge),
+            "num_pages": lambda: service.allocate_host_pages(huge),
+            "layer": lambda: load.wait_layer(huge),
+            "timeout_s": lambda: load.wait_layer(0, timeout_s=huge),
+            "wait timeout_s": lambda: load.wait(timeout_s=huge),
+            "token in a list": lambda: service.evict([huge]),
+            "token range": lambda: service.evict(range(huge, huge + 1)),
+            "page": lambda: service.evict(Pages([huge])),
+            "host token": lambda: service.evict(tokens([3]), host_tokens=range(huge, huge + PAGE)),
+        }
+        for name, call in calls.items():
+            before = service.statistics()
+            try:
+                outcome = call()
+            except DsaAsyncError:
+                assert service.statistics() == before, f"a refused {name} changed the state"
+                continue
+            if isinstance(outcome, Transfer):
+                result = await outcome
+                if result.host_pages is not None:
+                    service.release(result.host_pages)
+        thread_calls = (lambda: service.prefetch_threadsafe(held, tokens([0, 1]), deadline_s=huge),
+                        lambda: service.evict_threadsafe([huge]))
+
+        def from_a_thread() -> None:
+            for call in thread_calls:
+                with pytest.raises(DsaAsyncError):
+                    call()
+
+        await asyncio.to_thread(from_a_thread)
+        service.release(held)

@@ -102,6 +102,8 @@ BAD_CALLS = {
         h, tokens([1, 2]))),
     "deadline not finite": (ArgumentValueError, lambda s, h, r: s.prefetch_threadsafe(
         h, tokens([1]), deadline_s=float("nan"))),
+    "deadline beyond a float": (ArgumentValueError, lambda s, h, r: s.prefetch_threadsafe(
+        h, tokens([1]), deadline_s=10**400)),
     "released handle": (UnknownHostPagesError, lambda s, h, r: s.prefetch_threadsafe(
         r, tokens([1]))),
     "release of a released handle": (UnknownHostPagesError, lambda s, h, r: s.release_threadsafe(

@@ -548,17 +548,10 @@ class OffloadService:
         else:
             host_pages = self._host_pages_for(on_device, host_tokens, on_loop)
             device_pages, padding = _EMPTY, 0
-        if deadline_s is None:
-            deadline = NO_DEADLINE
-        elif isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float)):
-            raise ArgumentTypeError(f"deadline_s must be a finite number of seconds or None, "
-                                    f"got {deadline_s!r} ({type(deadline_s).__name__})")
-        elif math.isfinite(deadline_s):
+        deadline = _deadline_offset_s(deadline_s)
+        if deadline != NO_DEADLINE and on_loop:
             # On a thread, seconds from submission: the loop's clock is read on the loop.
-            deadline = self._loop.time() + deadline_s if on_loop else float(deadline_s)
-        else:
-            raise ArgumentValueError(f"deadline_s must be a finite number of seconds or None, "
-                                     f"got {deadline_s!r}")
+            deadline += self._loop.time()
         return self._prepare(scheduler, H2D, device_pages, host_pages, False,
                              after, priority, deadline, padding, captured, on_loop, on_device)
 
@@ -703,6 +696,26 @@ class OffloadService:
 
 #: The request methods whose default producer ``call_threadsafe`` captures on the caller's thread.
 _SUBMIT_METHODS = (OffloadService.evict, OffloadService.prefetch)
+
+
+def _deadline_offset_s(deadline_s: object) -> float:
+    """``deadline_s`` as float seconds from now (``NO_DEADLINE`` for None); refuses a
+    non-number, and NaN, infinities and integers too large for a float."""
+    if deadline_s is None:
+        return NO_DEADLINE
+    if isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float)):
+        raise ArgumentTypeError(f"deadline_s must be a finite number of seconds or None, "
+                                f"got {deadline_s!r} ({type(deadline_s).__name__})")
+    try:
+        offset_s = float(deadline_s)
+    except OverflowError:  # an int beyond any float
+        offset_s = math.inf
+    if not math.isfinite(offset_s):
+        shown = repr(deadline_s) if isinstance(deadline_s, float) else \
+            f"an int of {len(str(abs(deadline_s)))} digits"
+        raise ArgumentValueError(f"deadline_s must be a finite number of seconds or None, "
+                                 f"got {shown}; pass None for no deadline")
+    return offset_s
 
 
 def _check_handle(host: object) -> None:
