@@ -496,6 +496,41 @@ async def test_a_backup_released_from_a_thread_then_ended_undone_frees_its_pages
     assert not errors, [r.getMessage() for r in errors]
 
 
+@pytest.mark.parametrize("ending", ["cancelled", "failed"])
+async def test_a_backup_ended_undone_before_the_loop_takes_its_posted_release_frees_once(
+        tmp_path, ending, caplog):
+    """The other order: a thread posts the release of a backup's host pages, and the backup
+    ends cancelled or failed before the loop takes that release (the service has freed the
+    pages itself by then). The posted release is then moot: nothing is logged as an error,
+    the pages come back once, and the service closes cleanly."""
+    service, _ = make_service(tmp_path, layers=LAYERS, host_pages=8, device_pages=8)
+    async with service, asyncio.timeout(BOUND_S):
+        producer: concurrent.futures.Future = concurrent.futures.Future()
+        backup = service.evict(tokens([0, 1]), after=producer)  # held back by its producer
+        await in_thread(lambda: None)  # accepted, host pages chosen
+        handle = backup.host_pages
+        assert handle is not None
+        wakeups = service.thread_wakeups
+        if ending == "cancelled":
+            while_the_loop_is_blocked(lambda: service.release_threadsafe(handle))
+            assert backup.cancel()  # ends it now, before the loop takes the release
+            with pytest.raises(asyncio.CancelledError):
+                await backup
+        else:
+            # The producer's failure reaches the loop before the release does.
+            producer.set_exception(RuntimeError("the producer's kernel failed"))
+            while_the_loop_is_blocked(lambda: service.release_threadsafe(handle))
+            with pytest.raises(TransferFailedError, match="kernel failed"):
+                await backup
+        await in_thread(lambda: None)  # the loop took the release
+        assert service.thread_wakeups == wakeups + 1
+        assert service.statistics().used_pages == 0
+        again = await service.evict(tokens(range(8)))  # the pool is whole
+        service.release(again.host_pages)
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, [r.getMessage() for r in errors]
+
+
 async def test_a_handle_can_be_released_from_threads_once(tmp_path):
     service, _ = make_service(tmp_path, layers=LAYERS, host_pages=8, device_pages=8)
     async with service, asyncio.timeout(BOUND_S):

@@ -445,7 +445,7 @@ class OffloadService:
 
     def _take_posted_release(self, host: HostPages) -> None:
         scheduler = self._scheduler
-        scheduler.release_host_when_unused(host)
+        scheduler.release_posted_host(host)
         scheduler.schedule_flush()  # evictions waiting for space may go now; gauges follow
 
     # --- the two halves of a submission ---------------------------------------------------

@@ -164,11 +164,15 @@ class HostPool:
         if batch is not None and batch[1]:
             self._extents.free(batch[0], batch[1])
 
+    def holds(self, handle: HostPages) -> bool:
+        """Whether ``handle`` is a live allocation of this pool. Any thread (a dict lookup)."""
+        return self._live.get(handle.allocation_id) == handle.runs
+
     def check_owned(self, handle: HostPages) -> None:
         """Raise ``UnknownHostPagesError`` unless ``handle`` is a live allocation of this pool."""
         if not isinstance(handle, HostPages):
             raise ArgumentTypeError(f"expected a HostPages handle, got {type(handle).__name__}")
-        if self._live.get(handle.allocation_id) != handle.runs:
+        if not self.holds(handle):
             raise UnknownHostPagesError(
                 f"{handle!r} is not held by this pool: it was already released or comes from "
                 f"another service; use a handle returned by this service and release it once"

@@ -459,11 +459,14 @@ class Scheduler:
             raise _services_own(handle)
         self.pool.release(handle, self.hazards.host_pages_busy)
 
-    def release_host_when_unused(self, handle: HostPages) -> None:
-        """Return ``handle``'s pages now, or once the last queued or running copy that uses
-        them ends; until then they are the service's (``release_host`` refuses the handle).
-        Raises ``UnknownHostPagesError`` for a handle that is not the caller's. Loop thread."""
-        self.check_releasable(handle)
+    def release_posted_host(self, handle: HostPages) -> None:
+        """Take a release a thread posted (checked there: the caller's live allocation then):
+        return ``handle``'s pages now, or once the last queued or running copy that uses them
+        ends; until then they are the service's (``release_host`` refuses the handle). If the
+        service took the handle over since (its backup ended undone, so the service frees
+        those pages itself), the release is moot: nothing is left to do. Loop thread."""
+        if handle.allocation_id in self._orphans or not self.pool.holds(handle):
+            return  # freed or being freed by the service; the pages come back once
         self._orphans.free_when_unused(handle, self.pool)
 
     def check_host_tokens(self, pages: PageSeq, name: str) -> None:
