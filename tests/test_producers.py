@@ -291,3 +291,29 @@ async def test_loop_producers_leave_nothing_behind_once_their_requests_end(tmp_p
         later.set_result(None)
         service.release((await waited).host_pages)
         assert len(service._scheduler._loop_watches) == 0
+
+
+async def test_a_thread_producer_holds_its_directions_later_copies_a_loop_producer_holds_none(
+        tmp_path):
+    """As documented: on the CPU backend a copy waiting for a ``threading.Event`` holds the
+    later copies of its direction (stream order) but not the other direction's; a request
+    waiting for an ``asyncio.Event`` stays queued and holds no copy, so later ones go first."""
+    service, _ = make_service(tmp_path)
+    async with service, asyncio.timeout(BOUND_S):
+        backup = await service.evict(tokens([8]))
+        thread_producer = threading.Event()
+        held = service.evict(tokens([0]), after=thread_producer)
+        later = service.evict(tokens([1]))
+        load = await service.prefetch(backup.host_pages, tokens([9]))  # the other direction
+        assert load.pages == 1 and not later.done()
+        thread_producer.set()
+        await held
+        await later
+        loop_producer = asyncio.Event()
+        queued = service.evict(tokens([2]), after=loop_producer)
+        assert (await service.evict(tokens([3]))).pages == 1  # goes while `queued` waits
+        assert not queued.done()
+        loop_producer.set()
+        await queued
+        for done in (backup, held.result(), later.result(), queued.result()):
+            service.release(done.host_pages)

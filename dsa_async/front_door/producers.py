@@ -14,8 +14,10 @@ service), ``asyncio.``    stays queued until it ends; a failed or cancelled one 
 ``asyncio.Event``
 engine producers          by the backend, before the batch's copies (see ``normalize_after`` of
                           each engine): CPU — ``threading.Event``, ``concurrent.futures.Future``
-                          (a failed or cancelled future fails the request); CUDA —
-                          ``torch.cuda.Event``, ``torch.cuda.Stream`` (a GPU-side wait)
+                          (a failed or cancelled future fails the request; the copy thread
+                          waits in its direction's order, so later copies of that direction
+                          wait too, as on a stream); CUDA — ``torch.cuda.Event``,
+                          ``torch.cuda.Stream`` (a GPU-side wait)
 ========================  =====================================================================
 
 Anything else is a ``TypeError`` at submit that names what is accepted. Parsing runs on the

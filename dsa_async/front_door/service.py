@@ -241,8 +241,10 @@ class OffloadService:
     async def close(self) -> None:
         """Stop admitting, drain, stop the engine, free the pool and the reservation.
 
-        Idempotent. Requests not started within ``drain_timeout_s`` are cancelled; copies
-        already started always complete (never torn). Called while ``start()`` runs, it
+        Idempotent. Requests not started within ``drain_timeout_s`` are cancelled; evictions
+        waiting for free host pages are cancelled at once (a closing service takes no
+        releases, so none could come); copies already started always complete (never torn).
+        Called while ``start()`` runs, it
         waits for the start to end, then closes what it started."""
         if self._state is ServiceState.STARTING:
             await self._start_ended.wait()
