@@ -37,51 +37,43 @@ def _pending_layer_waits(service) -> int:
     return sum(len(v) for v in service._scheduler._pending_layers.values())
 
 
+def _prefetch_from_a_thread(service, make):
+    """Submit an empty prefetch from a plain thread and wait on its layers there, before and
+    after the loop takes it."""
+    load = service.prefetch_threadsafe(None, make(), host_tokens=make())
+    for layer in range(LAYERS):
+        load.wait_layer(layer, 1.0)
+    assert load.wait(5.0).pages == 0
+    for layer in range(LAYERS):
+        load.wait_layer(layer, 0.0)
+    return load
+
+
+@pytest.mark.parametrize("submitted_on", ["loop", "thread"])
 @pytest.mark.parametrize("form", sorted(EMPTY_FORMS))
-async def test_an_empty_prefetch_on_the_loop_has_every_layer_ready_and_counts_nothing(
-        tmp_path, form):
+async def test_an_empty_prefetch_has_every_layer_ready_and_counts_nothing(
+        tmp_path, form, submitted_on):
     service, _ = make_service(tmp_path, layers=LAYERS)
     async with service, asyncio.timeout(BOUND_S):
         layers_before = _layer_counts(service)
         stats_before = service.statistics()
         make = EMPTY_FORMS[form]
-        load = service.prefetch(None, make(), host_tokens=make())
-        assert load.done() and load.num_pages == 0
+        if submitted_on == "loop":
+            load = service.prefetch(None, make(), host_tokens=make())
+            assert load.done()
+        else:
+            load = await asyncio.wrap_future(on_plain_thread(
+                lambda: _prefetch_from_a_thread(service, make)))
+        assert load.num_pages == 0
         for layer in range(LAYERS):
             await load.layer_ready(layer)
             await load.layer_ready(layer)  # again: still at once
-        result = await load
-        assert result.pages == 0
+        assert (await load).pages == 0
         await asyncio.wrap_future(on_plain_thread(
             lambda: [load.wait_layer(i, 1.0) for i in range(LAYERS)]))
         assert _layer_counts(service) == layers_before
         assert _pending_layer_waits(service) == 0
         assert service.statistics() == stats_before
-
-
-@pytest.mark.parametrize("form", sorted(EMPTY_FORMS))
-async def test_an_empty_prefetch_from_a_thread_has_every_layer_ready_and_counts_nothing(
-        tmp_path, form):
-    service, _ = make_service(tmp_path, layers=LAYERS)
-    async with service, asyncio.timeout(BOUND_S):
-        layers_before = _layer_counts(service)
-        make = EMPTY_FORMS[form]
-
-        def from_thread():
-            load = service.prefetch_threadsafe(None, make(), host_tokens=make())
-            for layer in range(LAYERS):  # before and after the loop takes it
-                load.wait_layer(layer, 1.0)
-            assert load.wait(5.0).pages == 0
-            for layer in range(LAYERS):
-                load.wait_layer(layer, 0.0)
-            return load
-
-        load = await asyncio.wrap_future(on_plain_thread(from_thread))
-        for layer in range(LAYERS):
-            await load.layer_ready(layer)
-        await load
-        assert _layer_counts(service) == layers_before
-        assert _pending_layer_waits(service) == 0
 
 
 async def test_layers_of_an_empty_prefetch_stay_ready_after_close(tmp_path):

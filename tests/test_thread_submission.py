@@ -461,14 +461,18 @@ async def test_handles_released_while_in_use_each_return_when_their_last_copy_en
             assert len(checked) <= 1, f"the end of one load checked {len(checked)} handles"
 
 
-@pytest.mark.parametrize("ending", ["cancelled", "failed"])
-async def test_a_backup_released_from_a_thread_then_ended_undone_frees_its_pages_once(tmp_path,
-                                                                                      ending,
-                                                                                      caplog):
+# A cancel of a backup already in the engine ends it on the copy thread's report, which cannot
+# be ordered before a release a thread posted; a failed producer ends it on the loop in order.
+@pytest.mark.parametrize(("ending", "order"), [("cancelled", "release-taken-first"),
+                                               ("failed", "release-taken-first"),
+                                               ("failed", "ended-first")])
+async def test_a_backup_released_from_a_thread_and_ended_undone_frees_its_pages_once(
+        tmp_path, ending, order, caplog):
     """The caller releases an eviction's host pages from a thread while the backup still
-    writes them, then the backup ends cancelled or failed: the service would free those pages
-    itself too; they come back once, nothing on the loop raises, the transfer ends, and the
-    service closes cleanly."""
+    writes them, and the backup ends cancelled or failed, the loop taking the release before
+    it ends or after (the service has then freed the pages itself, so the posted release is
+    moot). Either way the pages come back once, nothing on the loop raises or logs an error,
+    the transfer ends, and the service closes cleanly."""
     service, _ = make_service(tmp_path, layers=LAYERS, host_pages=8, device_pages=8)
     async with service, asyncio.timeout(BOUND_S):
         producer: concurrent.futures.Future = concurrent.futures.Future()
@@ -476,56 +480,26 @@ async def test_a_backup_released_from_a_thread_then_ended_undone_frees_its_pages
         await in_thread(lambda: None)  # accepted, host pages chosen
         handle = backup.host_pages
         assert handle is not None
-        await in_thread(lambda: service.release_threadsafe(handle))
-        await in_thread(lambda: None)  # the loop took the release
-        assert service.statistics().used_pages == 2  # the backup still writes them
+        if order == "release-taken-first":
+            await in_thread(lambda: service.release_threadsafe(handle))
+            await in_thread(lambda: None)  # the loop took the release
+            assert service.statistics().used_pages == 2  # the backup still writes them
         if ending == "cancelled":
             backup.cancel()
             producer.set_result(None)
             with pytest.raises(asyncio.CancelledError):
                 await backup
         else:
+            # The producer's failure reaches the loop before a release posted after it.
             producer.set_exception(RuntimeError("the producer's kernel failed"))
+            if order == "ended-first":  # posted, not taken: the loop is blocked meanwhile
+                while_the_loop_is_blocked(lambda: service.release_threadsafe(handle))
             with pytest.raises(TransferFailedError, match="kernel failed"):
                 await backup
+        await in_thread(lambda: None)  # the loop took every posted release
         assert service.statistics().used_pages == 0
         # the pool is whole: its every page can be taken again
         again = await service.evict(tokens(range(8)))
-        service.release(again.host_pages)
-    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
-    assert not errors, [r.getMessage() for r in errors]
-
-
-@pytest.mark.parametrize("ending", ["cancelled", "failed"])
-async def test_a_backup_ended_undone_before_the_loop_takes_its_posted_release_frees_once(
-        tmp_path, ending, caplog):
-    """The other order: a thread posts the release of a backup's host pages, and the backup
-    ends cancelled or failed before the loop takes that release (the service has freed the
-    pages itself by then). The posted release is then moot: nothing is logged as an error,
-    the pages come back once, and the service closes cleanly."""
-    service, _ = make_service(tmp_path, layers=LAYERS, host_pages=8, device_pages=8)
-    async with service, asyncio.timeout(BOUND_S):
-        producer: concurrent.futures.Future = concurrent.futures.Future()
-        backup = service.evict(tokens([0, 1]), after=producer)  # held back by its producer
-        await in_thread(lambda: None)  # accepted, host pages chosen
-        handle = backup.host_pages
-        assert handle is not None
-        wakeups = service.thread_wakeups
-        if ending == "cancelled":
-            while_the_loop_is_blocked(lambda: service.release_threadsafe(handle))
-            assert backup.cancel()  # ends it now, before the loop takes the release
-            with pytest.raises(asyncio.CancelledError):
-                await backup
-        else:
-            # The producer's failure reaches the loop before the release does.
-            producer.set_exception(RuntimeError("the producer's kernel failed"))
-            while_the_loop_is_blocked(lambda: service.release_threadsafe(handle))
-            with pytest.raises(TransferFailedError, match="kernel failed"):
-                await backup
-        await in_thread(lambda: None)  # the loop took the release
-        assert service.thread_wakeups == wakeups + 1
-        assert service.statistics().used_pages == 0
-        again = await service.evict(tokens(range(8)))  # the pool is whole
         service.release(again.host_pages)
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert not errors, [r.getMessage() for r in errors]
