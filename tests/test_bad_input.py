@@ -214,6 +214,12 @@ CASES = [
          ("stride (2,)", ".contiguous()")),
     Case("wrong-device", lambda s, _: s.evict(torch.arange(4, device="meta")), IndexTypeError,
          ("device meta", ".cpu()")),
+    Case("none-in-a-list", lambda s, _: s.evict([1, None]), IndexTypeError,
+         ("device_tokens[1] = None", "integers only")),
+    Case("ragged-list", lambda s, _: s.evict([[1], [2, 3]]), IndexTypeError,
+         ("device_tokens[0] = [1] is a list", "flatten")),
+    Case("pages-as-host", lambda s, _: s.prefetch(Pages([0]), Pages([1])), IndexTypeError,
+         ("got Pages", "host_tokens=Pages(")),
     Case("host-out-of-range", lambda s, h: s.evict(
         torch.tensor([0]), host_tokens=torch.tensor([HOST_PAGES * PAGE])), IndexValueError,
         (f"host_tokens[0] = {HOST_PAGES * PAGE}", f"valid 0..{HOST_PAGES * PAGE - 1}")),

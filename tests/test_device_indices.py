@@ -12,6 +12,7 @@ of lists are still read at submit, so both kinds meet in one service.
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 
 import numpy as np
@@ -89,6 +90,11 @@ async def test_the_cpu_backend_refuses_index_tensors_off_the_cpu(tmp_path, form,
                                             "CPU") as caught:
             await asyncio.to_thread(method, *args) if call.endswith("threadsafe") else method(*args)
         assert isinstance(caught.value, IndexTypeError)
+        # the advice names a tensor of what was passed (one that has a .cpu())
+        advice = re.search(r"pass (device_tokens[\w.]*)\.cpu\(\)", str(caught.value))
+        assert advice is not None, str(caught.value)
+        named = eval(advice.group(1), {"device_tokens": value})  # noqa: S307 - our own text
+        assert isinstance(named, torch.Tensor), advice.group(1)
         assert service.statistics() == before
 
 

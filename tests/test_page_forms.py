@@ -255,3 +255,32 @@ async def test_pages_and_scattered_whole_page_tokens_move_the_same_bytes_as_toke
                                                   r"range: this side holds 24 pages"):
             service.evict(Pages([0, 24]))
         assert service.statistics() == start
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("values", [[3, 9, 10, 11, 70], list(range(16, 32)), [40 * PS + 1]])
+def test_a_tensor_with_a_lazy_negation_bit_is_read_as_its_values(values, dtype):
+    """A negated view (its values are only marked as negated until read) is the index it
+    reads as: the same pages, padding or error as the same values held plainly, as tokens,
+    as ``Pages`` and paired with host tokens; never torch's own error about the bit."""
+    plain = torch.tensor(values, dtype=dtype)
+    lazy = torch._neg_view(-plain)
+    assert lazy.is_neg() and lazy.tolist() == values
+
+    def both(call):
+        return _outcome(lambda: call(plain)), _outcome(lambda: call(lazy))
+
+    for call in (lambda t: tokens_to_page_seq(t, "x", BOUND, PS),
+                 lambda t: tokens_to_page_seq(Pages(t), "x", BOUND, PS),
+                 lambda t: paired_page_seqs(t, t, host_bound=BOUND, device_bound=BOUND,
+                                            page_size_tokens=PS)):
+        a, b = both(call)
+        assert _comparable(a) == _comparable(b)
+
+
+def _comparable(outcome):
+    """An outcome of :func:`_outcome` with every page sequence as a list of ints."""
+    kind, value = outcome
+    if kind != "ok":
+        return outcome
+    return kind, tuple(v if isinstance(v, int) else page_seq_values(v) for v in value)

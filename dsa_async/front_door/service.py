@@ -56,7 +56,7 @@ from ..observability.loop_lag import EventLoopLagMonitor
 from ..observability.metrics import BudgetFigures, ServiceMetrics
 from ..paging.device_indices import DeviceIndices, OnDevice, deferred_form, paired_host_pages
 from ..paging.runs import PageSeq
-from ..paging.tokens import paired_page_seqs, tokens_to_page_seq
+from ..paging.tokens import Pages, paired_page_seqs, tokens_to_page_seq
 from ..scheduling.request import NO_DEADLINE, POSTED, QUEUED, Request
 from ..scheduling.scheduler import HostPressureCallback, Scheduler
 from ..transfer.base import FaultHook, TransferEngine, resolve_backend
@@ -530,8 +530,12 @@ class OffloadService:
         if host is not None:
             if not isinstance(host, HostPages):
                 raise IndexTypeError(
-                    f"host must be a HostPages handle, got {type(host).__name__}; a bare "
-                    f"tensor is ambiguous (tokens or pages?): pass host_tokens=tensor instead")
+                    f"host must be a HostPages handle, got {type(host).__name__}; "
+                    + ("host pages given as Pages go in host_tokens=: pass "
+                       "prefetch(None, device_tokens, host_tokens=Pages(...))"
+                       if isinstance(host, Pages) else
+                       "a bare tensor is ambiguous (tokens or pages?): pass host_tokens=tensor "
+                       "instead"))
             device_pages, padding, num_pages = self._device_side(device_tokens, on_device)
             if not on_loop and self._engine is None:  # a thread that raced close()
                 raise ServiceClosedError("the service is closing or closed")

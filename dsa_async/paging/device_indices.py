@@ -145,10 +145,11 @@ def deferred_form(device_tokens: object, engine: IndexReader,
     if not engine.defers_indices(tensor):
         if tensor.is_cpu:
             return None  # read at submit
+        name = "device_tokens.pages" if isinstance(device_tokens, Pages) else "device_tokens"
         raise IndexTypeError(
-            f"device_tokens is a tensor on device {tensor.device}; the "
+            f"{name} is a tensor on device {tensor.device}; the "
             f"{engine.backend.value} backend reads index tensors on the CPU: pass "
-            f"device_tokens.cpu() (the cuda backend also takes index tensors on its device, "
+            f"{name}.cpu() (the cuda backend also takes index tensors on its device, "
             f"read after the request's producers)")
     form, num_pages = device_form(tensor, device_tokens, "device_tokens", page_size_tokens)
     return OnDevice(tensor, form, num_pages)

@@ -159,7 +159,7 @@ def _fast_form(value: IndexLike, upper_bound: int) -> range | np.ndarray | None:
     caller validates anything that is not a range in full, which raises what is wrong."""
     if type(value) is torch.Tensor:
         if (value.dtype is not _INT64 or not value.is_cpu or value.dim() != 1
-                or not value.is_contiguous()):
+                or not value.is_contiguous() or value.is_neg()):
             return None
         array = value.numpy()
     elif type(value) is np.ndarray:
@@ -319,7 +319,7 @@ def checked_index_array(value: IndexLike, *, name: str, upper_bound: int | None 
                 f"{name} is a non-contiguous view (stride {value.stride()}); "
                 f"pass {name}.contiguous()"
             )
-        array = value.numpy()
+        array = value.resolve_neg().numpy()  # a lazily negated view: its values, as read
     elif isinstance(value, np.ndarray):
         if isinstance(value, np.ma.MaskedArray):
             raise IndexTypeError(
@@ -435,6 +435,7 @@ def _sequence_array(value: Sequence, name: str, upper_bound: int | None,
                 f"{name}[{at}] = {int(value[at])} is negative; indices start at 0") from None
         raise _out_of_range(name, at, int(value[at]), upper_bound, unit) from None
     except (TypeError, ValueError) as exc:
+        _raise_if_not_ints(value, name)  # names the first element that is not an int
         raise IndexTypeError(f"{name} must hold integers only: {exc}") from None
     if array.ndim == 1:
         _raise_if_not_ints(value, name)
@@ -444,8 +445,11 @@ def _sequence_array(value: Sequence, name: str, upper_bound: int | None,
 def _raise_if_not_ints(value: Sequence, name: str) -> None:
     for at, v in enumerate(value):
         if not isinstance(v, (int, np.integer)) or isinstance(v, (bool, np.bool_)):
+            hint = ("; indices are one flat sequence: flatten it"
+                    if isinstance(v, (Sequence, np.ndarray, torch.Tensor))
+                    and not isinstance(v, (str, bytes)) else "")
             raise IndexTypeError(f"{name} must hold integers only: {name}[{at}] = {v!r} is a "
-                                 f"{type(v).__name__}")
+                                 f"{type(v).__name__}{hint}")
 
 
 def _out_of_range(name: str, at: int, value: int, upper_bound: int | None,
