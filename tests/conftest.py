@@ -6,10 +6,38 @@ import pytest
 import uvloop
 
 
+#: what reached a test loop's exception handler: an exception raised in a callback, a task's
+#: or future's exception nobody retrieved. The service must never send anything there.
+_loop_errors: list[dict] = []
+
+
+def _new_test_loop() -> uvloop.Loop:
+    loop = uvloop.new_event_loop()
+
+    def record(loop, context: dict) -> None:
+        _loop_errors.append(context)
+        loop.default_exception_handler(context)
+
+    loop.set_exception_handler(record)
+    return loop
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_asyncio_loop_factories(config, item):  # noqa: ARG001 - hook signature
-    """Run every asyncio test on uvloop, as the inference server does."""
-    return {"uvloop": uvloop.new_event_loop}
+    """Run every asyncio test on uvloop, as the inference server does, with a loop that
+    remembers what reached its exception handler (a test that expects such a report sets a
+    handler of its own)."""
+    return {"uvloop": _new_test_loop}
+
+
+@pytest.fixture(autouse=True)
+def no_loop_errors():
+    """Fail a test whose loop's exception handler was called: a crash in a loop callback
+    (a timer, a done callback) is otherwise only logged while requests still end."""
+    _loop_errors.clear()
+    yield
+    reported, _loop_errors[:] = list(_loop_errors), []
+    assert not reported, f"the loop's exception handler was called: {reported}"
 
 
 def pytest_addoption(parser):

@@ -259,6 +259,27 @@ async def test_a_broken_reclaim_callback_fails_the_eviction_in_time(tmp_path, ki
     assert _ledger_entries(tmp_path) == ()
 
 
+@pytest.mark.parametrize("timeout_s", [0.0001, 0.0004, 0.0015, 0.05])
+async def test_evictions_waiting_for_host_pages_expire_for_any_timeout(tmp_path, timeout_s):
+    """The host-wait timer for any timeout, down to ones uvloop runs as soon as it can (under
+    about half a millisecond it returns a plain Handle, not a TimerHandle): several evictions
+    that start waiting in one turn, and one more on each later turn, each fail with
+    HostPoolExhausted and nothing reaches the loop's exception handler."""
+    service, _ = make_service(tmp_path, host_pages=8, host_wait_timeout_s=timeout_s)
+    async with service, asyncio.timeout(BOUND_S):
+        start = service.statistics()
+        everything = service.allocate_host_pages(8)
+        waiting = [service.evict(tokens([i])) for i in range(3)]  # one turn
+        for i in range(3, 6):  # later turns, while the earlier ones still wait or just ended
+            await asyncio.sleep(0)
+            waiting.append(service.evict(tokens([i])))
+        outcomes = await asyncio.gather(*waiting, return_exceptions=True)
+        for outcome in outcomes:
+            _check_exhausted(outcome, 1, 8)
+        service.release(everything)
+        assert service.statistics() == start
+
+
 @pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
 async def test_a_reclaim_callback_that_frees_pages_lets_the_eviction_go(tmp_path, is_async):
     service, buffers = make_service(tmp_path, host_pages=4, host_wait_timeout_s=5)

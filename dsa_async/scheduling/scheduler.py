@@ -91,6 +91,9 @@ class Scheduler:
         self._asked_for: tuple[int, int] | None = None
         self._flush_handle: asyncio.Handle | None = None
         self._expiry_handle: asyncio.TimerHandle | None = None
+        #: loop time the armed expiry timer fires at (uvloop's handle for a time due within
+        #: about a millisecond is a plain Handle, which has no ``when()``)
+        self._expiry_at_s = math.inf
         self._published_at = -math.inf
         self._publish_handle: asyncio.TimerHandle | None = None
         self._idle = asyncio.Event()
@@ -248,7 +251,8 @@ class Scheduler:
                 since = self._host_wait_since[request] = self.loop.time() - (
                     self._host_waited_s.pop(request, 0.0) if self._host_waited_s else 0.0)
                 expiry = self._expiry_handle
-                if expiry is not None and since + self.config.host_wait_timeout_s < expiry.when():
+                if expiry is not None and (
+                        since + self.config.host_wait_timeout_s < self._expiry_at_s):
                     expiry.cancel()  # a resumed clock runs out before the armed one
                     self._expiry_handle = None
                 self._arm_expiry()
@@ -539,8 +543,8 @@ class Scheduler:
     def _arm_expiry(self) -> None:
         if self._expiry_handle is None and self._host_wait_since:
             first = min(self._host_wait_since.values())
-            self._expiry_handle = self.loop.call_at(
-                first + self.config.host_wait_timeout_s, self._expire_host_waits)
+            self._expiry_at_s = first + self.config.host_wait_timeout_s
+            self._expiry_handle = self.loop.call_at(self._expiry_at_s, self._expire_host_waits)
 
     def _expire_host_waits(self) -> None:
         self._expiry_handle = None
