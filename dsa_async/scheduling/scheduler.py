@@ -98,6 +98,9 @@ class Scheduler:
         self._publish_handle: asyncio.TimerHandle | None = None
         self._idle = asyncio.Event()
         self._idle.set()
+        #: close() is draining: a backup short of host pages ends at once (nothing frees pages
+        #: for it now, and the hook is not asked), whenever it comes to need them
+        self._closing = False
 
     # --- admission ------------------------------------------------------------------------
 
@@ -204,6 +207,9 @@ class Scheduler:
                 if fresh:
                     ahead = min(fresh_left, max(0, (room - request.nbytes) // self.bytes_per_page))
                     if not self._allocate_host(request, ahead):
+                        if self._closing:
+                            self.finish(request, CANCELLED)
+                            continue
                         pages_needed += request.num_pages
                         short.append(request)
                         kept.append(request)
@@ -691,7 +697,9 @@ class Scheduler:
     async def drain(self, timeout_s: float) -> None:
         """Wait until nothing is queued or in flight. After ``timeout_s`` cancel what is queued;
         copies already running complete (never torn), and after another ``timeout_s`` copies
-        still blocked on a producer that never finished are abandoned (they fail)."""
+        still blocked on a producer that never finished are abandoned (they fail). A backup
+        short of host pages is cancelled at once, now or when it comes to need them."""
+        self._closing = True
         for request in [*self._host_wait_since, *self._host_waited_s]:  # short of host pages
             if request.state is not FINISHED:
                 self.finish(request, CANCELLED)
