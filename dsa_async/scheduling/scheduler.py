@@ -657,11 +657,13 @@ class Scheduler:
         self.publish_state(now=True)
 
     async def _idle_within(self, timeout_s: float) -> bool:
+        """True once nothing is queued or in flight, False if that takes over ``timeout_s``
+        (idle reached in the same turn the timeout fires counts as idle)."""
         try:
             async with asyncio.timeout(timeout_s):
                 await self._idle.wait()
         except TimeoutError:
-            return False
+            return self._idle.is_set()
         return True
 
     def abandon_unfinished(self) -> None:
