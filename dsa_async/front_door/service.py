@@ -244,8 +244,8 @@ class OffloadService:
         Idempotent. Requests not started within ``drain_timeout_s`` are cancelled; evictions
         waiting for free host pages are cancelled at once (a closing service takes no
         releases, so none could come); copies already started always complete (never torn).
-        Called while ``start()`` runs, it
-        waits for the start to end, then closes what it started."""
+        Called while ``start()`` runs, it waits for the start to end, then closes what it
+        started."""
         if self._state is ServiceState.STARTING:
             await self._start_ended.wait()
         if self._state is ServiceState.CLOSING:
