@@ -242,6 +242,34 @@ async def test_a_cancelled_close_still_closes(tmp_path):
     assert HostLedger(tmp_path / "ledger").entries() == ()
 
 
+#: Copies queued in one direction behind a producer that never fires: with a check only after
+#: each poll (0.1 s) of the CPU engine they would take 8 s to end, one after the other.
+BLOCKED_COPIES = 80
+
+
+@pytest.mark.parametrize("ended_by", ["close", "cancel"])
+async def test_many_copies_blocked_on_a_producer_end_together(tmp_path, ended_by):
+    """Many copies wait in the engine for thread producers that never fire. When close()
+    abandons those waits, or every one of them is cancelled, they all end at once (not one
+    engine poll each): close() takes about its drain timeouts, and an eviction submitted after
+    the cancelled ones runs without waiting behind them."""
+    service, _ = make_service(tmp_path, host_pages=2 * BLOCKED_COPIES, drain_timeout_s=0.05)
+    await service.start()
+    never = threading.Event()
+    blocked = [service.evict(Pages([i % 24]), after=never) for i in range(BLOCKED_COPIES)]
+    await _settle(service)
+    async with asyncio.timeout(4):  # ~0.5 s now; 8 s when each copy cost a poll
+        if ended_by == "close":
+            await service.close()
+            outcomes = await asyncio.gather(*blocked, return_exceptions=True)
+            assert {type(o) for o in outcomes} == {TransferFailedError}
+            return
+        for transfer in blocked:
+            transfer.cancel()
+        assert (await service.evict(Pages([0]))).pages == 1
+    await service.close()
+
+
 # --- cancelling a copy that waits for its producer --------------------------------------------
 
 

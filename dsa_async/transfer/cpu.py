@@ -146,13 +146,19 @@ class CpuEngine(TransferEngine):
 
     def _wait_for(self, event, what: str, handle: BatchHandle) -> None:
         """Block until ``event.wait()`` returns true, unless the engine abandons waits or every
-        request of ``handle`` is cancelled meanwhile (checked every ``WAIT_POLL_S``)."""
-        while not event.wait(WAIT_POLL_S):
+        request of ``handle`` is cancelled meanwhile (checked every ``WAIT_POLL_S``, and before
+        waiting at all: copies queued behind one that was abandoned end at once, not one poll
+        each)."""
+        if event.wait(0):
+            return
+        while True:
             if self._abandoned.is_set():
                 raise ServiceClosedError(
                     f"the service closed while this copy still waited for {what}; it never ran")
             if handle.skip_requested:
                 raise CopySkipped(f"cancelled while it waited for {what}; it never ran")
+            if event.wait(WAIT_POLL_S):
+                return
 
     def _wait_dependencies(self, handle: BatchHandle) -> None:
         batch = handle.batch
