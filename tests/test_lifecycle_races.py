@@ -397,6 +397,44 @@ async def test_a_backup_that_first_needs_host_pages_after_close_began_ends_at_on
         assert (await ahead).pages == 1
 
 
+async def test_a_start_cancelled_while_it_reserves_returns_the_reservation(tmp_path):
+    """start() cancelled while its worker thread waits for the ledger lock (another process
+    holds it): the reservation made once the lock is free is returned before start() raises,
+    so it does not count against the host budget for the rest of the process."""
+    service, _ = make_service(tmp_path)
+    with HostLedger(tmp_path / "ledger").transaction():  # as another process's transaction
+        starting = asyncio.ensure_future(service.start())
+        for _ in range(3):
+            await asyncio.sleep(0)  # the reservation's thread is started and waits
+        starting.cancel()
+    async with asyncio.timeout(BOUND_S):
+        with pytest.raises(asyncio.CancelledError):
+            await starting
+    assert service.state.value == "closed"
+    assert HostLedger(tmp_path / "ledger").entries() == ()
+
+
+async def test_start_cancelled_at_any_step_leaves_nothing_behind(tmp_path):
+    """start() cancelled after each number of loop turns, from before it reserves until it
+    has started: whatever step it was at, nothing of it is left (no ledger reservation, no
+    engine thread) and a close() after it is a no-op."""
+    threads_before = set(threading.enumerate())
+    for turns in range(40):
+        service, _ = make_service(tmp_path / str(turns))
+        starting = asyncio.ensure_future(service.start())
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        starting.cancel()
+        async with asyncio.timeout(BOUND_S):
+            outcome = (await asyncio.gather(starting, return_exceptions=True))[0]
+            await service.close()
+        assert isinstance(outcome, (asyncio.CancelledError, type(service))), outcome
+        assert service.state.value == "closed"
+        assert HostLedger(tmp_path / str(turns) / "ledger").entries() == (), turns
+    left = [t for t in set(threading.enumerate()) - threads_before if t.name.startswith("dsa")]
+    assert left == []
+
+
 async def test_a_start_cancelled_while_the_engine_is_made_closes_that_engine(tmp_path):
     """start() cancelled (a timeout around it) while the engine's constructor runs on its
     thread (page-locking on CUDA takes a while): start waits for the constructor and closes

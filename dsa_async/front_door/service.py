@@ -182,13 +182,19 @@ class OffloadService:
         self.backend = resolve_backend(config.backend)
         self._ledger = HostLedger(config.ledger_directory)
         size = config.host_pool
-        self.plan, self._reservation = await asyncio.to_thread(
+        # Each step runs on a worker thread to its end even if start() is cancelled meanwhile
+        # (a timeout around it), and what it made is kept, so the failed start returns it.
+        self.plan, self._reservation = await _to_thread_to_the_end(
             functools.partial(
                 reserve_host_pools, config.geometries, num_pages=size.pages,
                 requested_bytes=size.bytes, max_pages=size.max_pages, root=config.budget_root,
-                ledger=self._ledger, reserve_bytes=config.reserve_bytes))
-        self._pool = await asyncio.to_thread(HostPool.create, config.geometries, self.plan.num_pages)
-        await asyncio.to_thread(self._reservation.mark_allocated, self._pool.capacity_bytes)
+                ledger=self._ledger, reserve_bytes=config.reserve_bytes),
+            functools.partial(setattr, self, "_reservation"), keep_item=1)
+        self._pool = await _to_thread_to_the_end(
+            functools.partial(HostPool.create, config.geometries, self.plan.num_pages),
+            functools.partial(setattr, self, "_pool"))
+        await _to_thread_to_the_end(
+            functools.partial(self._reservation.mark_allocated, self._pool.capacity_bytes))
         bindings = {g.name: bind_pool(g, self._pool.arenas[g.name], self._buffers[g.name])
                     for g in config.geometries}
         self.device_pages = min(b.device_pages for b in bindings.values())
@@ -201,17 +207,12 @@ class OffloadService:
         self._loop = loop
         handoff = LoopHandoff(loop)
         factory = self._engine_factory or functools.partial(_make_engine, self.backend, config)
-        # Off the loop: the CUDA engine page-locks the arenas here, which takes a while.
-        construct = asyncio.ensure_future(asyncio.to_thread(
-            factory, bindings, handoff, self._on_batch_done, fault_hook=self._fault_hook))
-        try:
-            self._engine = await asyncio.shield(construct)
-        except asyncio.CancelledError:
-            # The constructor runs on in its thread (page-locking, streams, threads): wait for
-            # it, so that the failed start closes what it made before returning the pool.
-            with contextlib.suppress(Exception):
-                self._engine = await construct
-            raise
+        # Off the loop: the CUDA engine page-locks the arenas here, which takes a while; a
+        # cancelled start waits for it, so that it closes what the constructor made.
+        self._engine = await _to_thread_to_the_end(
+            functools.partial(factory, bindings, handoff, self._on_batch_done,
+                              fault_hook=self._fault_hook),
+            functools.partial(setattr, self, "_engine"))
         self._engine_defers_indices = (type(self._engine).defers_indices
                                        is not TransferEngine.defers_indices)
         self._scheduler = Scheduler(config, self._pool, self._engine, self.metrics, loop,
@@ -730,6 +731,30 @@ def _check_handle(host: object) -> None:
         raise ArgumentTypeError(
             f"release takes the HostPages handle of an allocation (a backup's "
             f"result.host_pages, or allocate_host_pages()), got {type(host).__name__}")
+
+
+async def _to_thread_to_the_end(fn: Callable[[], object],
+                                keep: Callable[[object], None] | None = None, *,
+                                keep_item: int | None = None) -> object:
+    """``await`` ``fn()`` on a worker thread; if the awaiting task is cancelled (once or more)
+    meanwhile, still wait for ``fn`` to return, hand what it made to ``keep`` (its element
+    ``keep_item`` if given) so the caller can undo it, then raise ``CancelledError``. Without
+    a cancellation ``fn``'s result or error is returned or raised as by ``asyncio.to_thread``."""
+    work = asyncio.ensure_future(asyncio.to_thread(fn))
+    cancelled = False
+    while not work.done():
+        try:
+            await asyncio.shield(work)
+        except asyncio.CancelledError:
+            cancelled = True
+        except Exception:  # noqa: BLE001 - fn's error: raised below (or dropped if cancelled)
+            break
+    if cancelled:
+        if work.exception() is None and keep is not None:
+            result = work.result()
+            keep(result if keep_item is None else result[keep_item])
+        raise asyncio.CancelledError
+    return work.result()
 
 
 async def _on_daemon_thread(fn: Callable[[], object], name: str) -> object:
