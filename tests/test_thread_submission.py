@@ -31,7 +31,8 @@ from dsa_async.bench.measure import MIN_PAIRS
 from dsa_async.bench.runner import BenchConfig, run_bench
 from dsa_async.errors import (ArgumentTypeError, ArgumentValueError, HostPoolExhausted,
                               IndexTypeError, IndexValueError, PageAlignmentError, QueueFullError,
-                              ServiceClosedError, TransferFailedError, UnknownHostPagesError)
+                              ServiceClosedError, TransferFailedError, UnknownHostPagesError,
+                              WrongThreadError)
 from dsa_async.kinds import Backend
 
 BOUND_S = 10
@@ -179,15 +180,37 @@ async def test_the_queue_bound_counts_what_threads_handed_over(tmp_path):
             service.release((await transfer).host_pages)
 
 
-async def test_wait_refuses_on_a_thread_that_runs_an_event_loop(tmp_path):
+@pytest.mark.parametrize("held_by", ["loop-producer", "thread-producer"])
+@pytest.mark.parametrize("call", ["wait", "wait_layer"])
+@pytest.mark.parametrize("caller", ["this-loop", "another-loop"])
+async def test_blocking_waits_refuse_on_a_thread_that_runs_an_event_loop(
+        tmp_path, held_by, call, caller):
+    """wait() and wait_layer() of a prefetch that is not over (not started: its producer is a
+    loop event; started: a thread producer holds its copy) refuse at once on a thread that
+    runs an event loop, this service's or another: they would block that loop (here the one
+    that has to start the copy). Once the layer is ready they return there at once."""
     service, _ = make_service(tmp_path, layers=LAYERS, host_pages=8, device_pages=8)
     async with service, asyncio.timeout(BOUND_S):
-        gate = threading.Event()
-        transfer = service.evict(tokens([1]), after=gate)
-        with pytest.raises(RuntimeError, match="await the transfer"):
-            transfer.wait(timeout_s=1)
+        held = service.allocate_host_pages(1)
+        gate = asyncio.Event() if held_by == "loop-producer" else threading.Event()
+        load = service.prefetch(held, tokens([1]), after=gate)
+        blocking = (lambda: load.wait(timeout_s=1)) if call == "wait" else (
+            lambda: load.wait_layer(LAYERS - 1, timeout_s=1))
+
+        def refused() -> None:
+            with pytest.raises(WrongThreadError, match="await transfer|await the transfer"):
+                blocking()
+
+        if caller == "this-loop":
+            refused()
+        else:
+            async def on_its_own_loop() -> None:
+                refused()
+            await asyncio.to_thread(asyncio.run, on_its_own_loop())
         gate.set()
-        service.release((await transfer).host_pages)
+        await load
+        blocking()  # over: nothing to wait for, on the loop too
+        service.release(held)
 
 
 # --- round trips and ordering ---------------------------------------------------------------

@@ -213,8 +213,11 @@ class Transfer:
         only until the layer's copy is enqueued, then makes the caller's current stream wait on
         the layer's event (no CPU block on the copy). ``timeout_s`` bounds the whole wait
         (until the copy is submitted, and then until the layer is copied or enqueued): past
-        it, ``TimeoutError``, and the transfer keeps running. Never call it on the event-loop
-        thread. A prefetch of 0 pages loads nothing: it returns at once, counting no layer.
+        it, ``TimeoutError``, and the transfer keeps running. A prefetch of 0 pages loads
+        nothing: it returns at once, counting no layer. Refused (``WrongThreadError``) on a
+        thread that runs an event loop unless the layer is ready or the prefetch ended (it
+        would block that loop, which may be the one that has to start the copy): there,
+        ``await transfer.layer_ready(layer)``.
         """
         request = self._request
         layer = self._check_layer(layer)
@@ -223,6 +226,8 @@ class Transfer:
             return
         waited_from = time.perf_counter()
         started = request.started
+        if not started and not request.future.done():
+            _refuse_on_a_loop_thread(layer)
         if not started and not request.wait_started(timeout_s):
             raise TimeoutError(f"layer {layer}: the prefetch's copy did not start within "
                                f"{timeout_s} s (it stays queued)")
@@ -236,6 +241,7 @@ class Transfer:
             return
         if request.future.done():  # it ended without this layer (also after close())
             self.result()  # raises its error
+        _refuse_on_a_loop_thread(layer)
         remaining_s = None if timeout_s is None else max(0.0, timeout_s - start_wait_s)
         # CPU: this thread waited if it blocked at all, for the start or the copy. CUDA: only
         # the consumer's stream waiting counts, and the device decides (not this thread).
@@ -312,6 +318,13 @@ class Transfer:
         r = self._request
         return (f"Transfer({r.direction.value}, pages={r.num_pages}, state={r.state.value}, "
                 f"done={r.future.done()})")
+
+
+def _refuse_on_a_loop_thread(layer: int) -> None:
+    if _runs_a_loop():
+        raise WrongThreadError(f"Transfer.wait_layer({layer}) would block its thread, and this "
+                               f"thread runs an event loop: await transfer.layer_ready({layer}) "
+                               f"instead")
 
 
 def _runs_a_loop() -> bool:
