@@ -47,7 +47,7 @@ class Request:
     __slots__ = (
         "seq", "direction", "host_pages", "device_pages", "num_pages", "host_handle", "owns_host",
         "after", "priority", "deadline", "submitted_at", "padding_tokens", "nbytes",
-        "deps", "handle", "batch_index", "state", "cancel_requested", "future", "started",
+        "deps", "deps_left_queue", "handle", "batch_index", "state", "cancel_requested", "future", "started",
         "_start_waiter", "end_waiter", "layer_seen", "waiters", "loop_waits", "observed",
         "dropped", "device_indices", "count_wasted_at_end", "__weakref__",
     )
@@ -79,6 +79,9 @@ class Request:
         self.nbytes = nbytes
         #: earlier requests this one follows, and whether it needs their data (hazards.py)
         self.deps: tuple[tuple[Request, bool], ...] = ()
+        #: how many leading ``deps`` have left the queue (submitted or finished; they never
+        #: come back), so each pass over the queue resumes after them (scheduler.py)
+        self.deps_left_queue = 0
         self.handle: BatchHandle | None = None  # set on the loop; read by threads once `started`
         self.batch_index = 0  # position of this request's pages in its batch
         self.state = QUEUED
