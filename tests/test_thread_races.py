@@ -187,3 +187,54 @@ def test_every_thread_submission_is_taken_when_the_loop_drains_at_once(tmp_path,
                 service.release(result.host_pages)
 
     (asyncio.run if loop_kind == "asyncio" else uvloop.run)(main())
+
+
+@pytest.mark.parametrize("second", ["thread", "loop"])
+async def test_of_two_racing_releases_of_one_handle_exactly_one_wins(tmp_path, second):
+    """release_threadsafe(h) on a thread against another release of h, from a second thread
+    or on the loop (call_threadsafe(release, h)), started together many times with a tiny
+    switch interval: each time exactly one returns and the other raises
+    UnknownHostPagesError, and the pool ends as it began. (Before the loop's release took
+    the posters' lock, both returned about once in 600 tries.)"""
+    import sys
+
+    service, _ = make_service(tmp_path, layers=LAYERS)
+    async with service, asyncio.timeout(120):
+        start = service.statistics()
+
+        def race(handle) -> list[str]:
+            barrier, outcome = threading.Barrier(2), ["", ""]
+
+            def release(i: int, call) -> None:
+                barrier.wait()
+                try:
+                    call()
+                    outcome[i] = "released"
+                except UnknownHostPagesError:
+                    outcome[i] = "refused"
+
+            other = ((lambda: service.release_threadsafe(handle)) if second == "thread" else
+                     (lambda: service.call_threadsafe(service.release, handle).result(BOUND_S)))
+            threads = [threading.Thread(target=release, args=(0, lambda: service.release_threadsafe(
+                handle))), threading.Thread(target=release, args=(1, other))]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(BOUND_S)
+            return sorted(outcome)
+
+        def many() -> None:
+            interval = sys.getswitchinterval()
+            sys.setswitchinterval(1e-6)
+            try:
+                for _ in range(1500):
+                    handle = service.call_threadsafe(
+                        service.allocate_host_pages, 1).result(BOUND_S)
+                    assert race(handle) == ["refused", "released"]
+            finally:
+                sys.setswitchinterval(interval)
+
+        await asyncio.wrap_future(on_plain_thread(many))
+        for _ in range(3):
+            await asyncio.sleep(0)  # the loop takes the last posted release
+        assert service.statistics() == start

@@ -639,8 +639,7 @@ class OffloadService:
         while a copy reads or writes them, ``UnknownHostPagesError`` for a stale handle."""
         scheduler = self._running()
         _check_handle(host)
-        self._inbox.refuse_if_release_posted(host)  # a thread may have released it already
-        scheduler.release_host(host)
+        self._inbox.release_here(host, scheduler.release_host)  # or a thread's release won
         scheduler.schedule_flush()  # evictions waiting for space may go now; gauges follow
 
     def allocate_host_pages(self, num_pages: int) -> HostPages:

@@ -98,6 +98,14 @@ class ThreadInbox:
             self._append(handle)
             self._releasing.add(handle.allocation_id)
 
+    def release_here(self, handle: HostPages, release: Callable[[HostPages], None]) -> None:
+        """The loop's own release of ``handle``: ``release(handle)`` unless a thread posted
+        that release already (``UnknownHostPagesError``). Under the posters' lock, so that a
+        thread releasing the same handle meanwhile sees it released, and only one wins."""
+        with self._lock:
+            self.refuse_if_release_posted(handle)
+            release(handle)
+
     def refuse_if_release_posted(self, handle: HostPages) -> None:
         """Raise ``UnknownHostPagesError`` if the release of ``handle`` was posted and the loop
         has not taken it yet: the handle is no longer the caller's to use or release (one set
