@@ -165,6 +165,31 @@ async def test_a_service_that_is_not_running_refuses_in_the_calling_thread(tmp_p
         await in_thread(call)
 
 
+def test_every_thread_entry_point_refuses_once_the_services_loop_is_closed(tmp_path):
+    """After the loop the service ran on has closed (a server shutting down), each thread
+    entry point raises ServiceClosedError, call_threadsafe included, not the loop's own
+    RuntimeError."""
+    import uvloop
+
+    service, _ = make_service(tmp_path, layers=LAYERS)
+
+    async def run_and_close():
+        async with service:
+            return service.allocate_host_pages(1)
+
+    handle = uvloop.run(run_and_close())
+    calls = {
+        "call_threadsafe": lambda: service.call_threadsafe(service.statistics),
+        "evict_threadsafe": lambda: service.evict_threadsafe(tokens([1])),
+        "prefetch_threadsafe": lambda: service.prefetch_threadsafe(handle, tokens([1])),
+        "release_threadsafe": lambda: service.release_threadsafe(handle),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ServiceClosedError):
+            call()
+            pytest.fail(f"{name} did not refuse")
+
+
 async def test_the_queue_bound_counts_what_threads_handed_over(tmp_path):
     service, _ = make_service(tmp_path, layers=LAYERS, host_pages=16, device_pages=8,
                               max_queued_requests=3)

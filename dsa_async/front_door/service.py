@@ -696,7 +696,13 @@ class OffloadService:
                 finally:
                     self._captured = _NOT_CAPTURED
 
-        self._loop.call_soon_threadsafe(run)
+        try:
+            self._loop.call_soon_threadsafe(run)
+        except RuntimeError:  # the loop closed: nothing runs there any more
+            if not self._loop.is_closed():
+                raise
+            raise ServiceClosedError("the service's event loop is closed: it runs no more "
+                                     "calls") from None
         return future
 
 
