@@ -142,15 +142,18 @@ class ThreadInbox:
     # --- loop thread ----------------------------------------------------------------------
 
     def drain(self) -> None:
-        """Take everything posted so far, in post order. Loop thread.
+        """Take everything posted before this drain began, in post order. Loop thread.
 
         The loop never takes the lock here: a poster that had to wait for it would give up the
         interpreter lock, and the two threads could then trade both locks once per item. A
         poster appends before it reads the flag, and the flag is cleared before anything is
-        taken, so every item is taken by this drain or by the one its poster schedules."""
+        taken, so every item is taken by this drain or by the one its poster schedules. Items
+        posted during the drain are left to that next drain: a thread that posts faster than
+        the loop takes its posts cannot keep the loop in here (timers, close() and every
+        other callback run in between)."""
         self._scheduled = False
         items = self._items
-        while items:
+        for _ in range(len(items)):
             item = items.popleft()
             try:
                 if type(item) is PostedRequest:
