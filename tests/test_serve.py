@@ -202,3 +202,20 @@ def test_arguments_that_cannot_work_exit_2_before_any_work(case, tmp_path, capsy
     err = capsys.readouterr().err
     assert {"summary-is-a-directory": "is a directory",
             "buffers-larger-than-memory": "GB of device buffers"}[case] in err
+
+
+async def test_an_arrival_rate_beyond_what_the_loop_keeps_up_with_still_stops_on_time(
+        tmp_path, monkeypatch):
+    """Conversations arrive faster than the loop can start them (every arrival is already
+    due): the driver still gives the loop a turn between arrivals, so conversations run,
+    the surplus is turned away and the run stops at its duration."""
+    monkeypatch.setenv(LEDGER_ENV, str(tmp_path / "ledger"))
+    args = build_parser().parse_args(
+        ["serve", *SMALL, "--device-pages", "16", "--arrival-rate", "1e300",
+         "--duration-s", "1", "--quiet"])
+    async with asyncio.timeout(DEADLINE_S):
+        summary = await serve(options_from(args), stdout=io.StringIO())
+    data = summary.as_dict()
+    assert data["stop_reason"] != "workload played out", data["stop_reason"]
+    assert data["conversations_rejected"] > 0 and data["turns"] > 0, data
+    _assert_clean(data)

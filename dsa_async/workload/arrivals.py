@@ -53,9 +53,10 @@ class ArrivalDriver:
             await asyncio.wait(tasks)
 
     async def _sleep_until(self, offset_s: float) -> None:
-        delay = self._t0 + offset_s - self._loop.time()
-        if delay > 0:
-            await asyncio.sleep(delay)
+        """Wait until ``offset_s`` after the start; one loop turn at least, even if that time
+        has passed: at an arrival rate beyond what the loop keeps up with, the tasks already
+        started, the stop timer and signals still run between arrivals."""
+        await asyncio.sleep(max(0.0, self._t0 + offset_s - self._loop.time()))
 
     async def _play(self, conversation: Conversation) -> None:
         engine = self._engine
