@@ -219,3 +219,17 @@ async def test_an_arrival_rate_beyond_what_the_loop_keeps_up_with_still_stops_on
     assert data["stop_reason"] != "workload played out", data["stop_reason"]
     assert data["conversations_rejected"] > 0 and data["turns"] > 0, data
     _assert_clean(data)
+
+
+async def test_a_forward_pass_that_cannot_allocate_its_compute_fails_the_run_on_time(
+        tmp_path, monkeypatch):
+    """--compute-dim too large to allocate (4 TB of weights): the forward-pass thread
+    reports the failure with every step instead of dying, so the run stops at its duration
+    and counts the failed steps, instead of waiting for ever on a dead thread."""
+    monkeypatch.setenv(LEDGER_ENV, str(tmp_path / "ledger"))
+    args = build_parser().parse_args(
+        ["serve", "--layers", "2", "--compute-dim", "1000000", "--device-pages", "16",
+         "--duration-s", "1", "--quiet"])
+    async with asyncio.timeout(DEADLINE_S):
+        summary = await serve(options_from(args), stdout=io.StringIO())
+    assert summary.errors > 0 and summary.turns == 0

@@ -103,11 +103,17 @@ class ForwardPass:
         device = self._patterns.device
         gen = torch.Generator().manual_seed(self._seed)
         scale = self._dim ** -0.5
-        weight = (torch.randn(self._dim, self._dim, generator=gen) * scale).to(device)
-        state = torch.randn(self._dim, self._dim, generator=gen).to(device)
+        setup_error: BaseException | None = None
+        try:  # a compute size that does not fit fails every step, reported to the loop
+            weight = (torch.randn(self._dim, self._dim, generator=gen) * scale).to(device)
+            state = torch.randn(self._dim, self._dim, generator=gen).to(device)
+        except Exception as exc:  # noqa: BLE001 - reported with each step
+            setup_error, weight, state = exc, None, None
         while (step := self._queue.get()) is not None:
             started = time.perf_counter()
             try:
+                if setup_error is not None:
+                    raise setup_error
                 result, state = self._forward(step, weight, state)
             except BaseException as exc:  # noqa: BLE001 - reported to the loop
                 result = StepResult(error=exc, busy_s=time.perf_counter() - started)
