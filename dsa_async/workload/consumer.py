@@ -113,7 +113,9 @@ class ForwardPass:
             started = time.perf_counter()
             try:
                 if setup_error is not None:
-                    raise setup_error
+                    raise RuntimeError(f"the forward pass could not set up its compute "
+                                       f"(--compute-dim {self._dim}): {setup_error!r}"
+                                       ) from setup_error
                 result, state = self._forward(step, weight, state)
             except BaseException as exc:  # noqa: BLE001 - reported to the loop
                 result = StepResult(error=exc, busy_s=time.perf_counter() - started)
