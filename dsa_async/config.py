@@ -54,8 +54,15 @@ def _check_int(name: str, value: object, low: int) -> None:
 def _check_seconds(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"ServiceConfig.{name} must be a number of seconds, got {value!r}")
-    if not (value > 0 and math.isfinite(value)):
-        raise ConfigError(f"ServiceConfig.{name} must be a positive finite number, got {value}")
+    try:
+        seconds = float(value)
+    except OverflowError:  # an int beyond any float
+        seconds = math.inf
+    if not (seconds > 0 and math.isfinite(seconds)):
+        shown = f"an int of {len(str(abs(value)))} digits" if seconds == math.inf and \
+            isinstance(value, int) else value
+        raise ConfigError(f"ServiceConfig.{name} must be a positive finite number of seconds, "
+                          f"got {shown}")
 
 
 def _check_path(name: str, value: object) -> None:

@@ -254,6 +254,21 @@ def test_default_directory_is_private_per_user(monkeypatch, tmp_path):
     assert HostLedger().directory == tmp_path / "x"
 
 
+@pytest.mark.parametrize("under", ["a-file", "proc"])
+def test_a_ledger_directory_that_cannot_be_created_is_a_ledger_error(tmp_path, under):
+    """A ledger directory below a regular file, or in a tree nobody may create in, is
+    refused with LedgerError naming the path and the setting to change (it leaked
+    NotADirectoryError / FileNotFoundError)."""
+    if under == "a-file":
+        (tmp_path / "file").write_text("")
+        path = tmp_path / "file" / "sub" / "ledger"
+    else:
+        path = Path("/proc/dsa-async-no-such/ledger")
+    with pytest.raises(LedgerError, match=f"cannot create the host ledger directory {path}.*"
+                                          f"{LEDGER_ENV}"):
+        HostLedger(path).pending_bytes()
+
+
 def test_group_or_world_accessible_directory_is_refused(ledger_dir):
     ledger_dir.mkdir()
     ledger_dir.chmod(0o755)

@@ -347,6 +347,17 @@ class HostLedger:
 
     def _ensure_directory(self) -> None:
         try:
+            self._make_directory()
+        except LedgerError:
+            raise
+        except OSError as exc:  # a parent that is a file, or a tree nobody may write
+            raise LedgerError(
+                f"cannot create the host ledger directory {self.directory}: {exc.strerror} "
+                f"({type(exc).__name__}); set ${LEDGER_ENV} (or ServiceConfig.ledger_directory) "
+                f"to a directory this process can create") from exc
+
+    def _make_directory(self) -> None:
+        try:
             os.mkdir(self.directory, 0o700)
         except FileExistsError:
             pass
