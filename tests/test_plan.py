@@ -12,6 +12,7 @@ from dsa_async.host_memory.ledger import HostLedger
 from dsa_async.host_memory.plan import (
     budget_exceeded_message,
     format_bytes,
+    human_bytes,
     plan_pools,
     reserve_host_pools,
 )
@@ -260,6 +261,17 @@ def test_refused_reservation_leaves_the_ledger_untouched(root, tmp_path):
         ):
             reserve_host_pools([INDEXER], requested_bytes=60 * GB, root=root, ledger=ledger)
         assert [e.entry_id for e in ledger.entries()] == [other.entry_id]
+
+
+@pytest.mark.parametrize("size", [{"num_pages": 10**400}, {"requested_bytes": 10**400}])
+def test_a_pool_of_any_size_is_refused_as_over_budget(root, tmp_path, size):
+    """A pool far beyond any float (a Python int has no bound) is refused like any other
+    over-budget pool, its size shown in scientific notation: the message is built without
+    float overflow."""
+    with pytest.raises(HostBudgetExceeded, match=r"requested: \d\.\d{3}e\+\d+ TB"):
+        reserve_host_pools([INDEXER], root=root, ledger=HostLedger(tmp_path / "ledger"),
+                           **size)
+    assert human_bytes(-10**400) == "-1.000e+388 TB"
 
 
 def test_reserve_auto_fits_what_is_left(root, tmp_path):

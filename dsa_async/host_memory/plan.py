@@ -216,6 +216,10 @@ def human_bytes(nbytes: int) -> str:
     """Decimal units, as ``--host-pool-gb`` counts them: ``1.00 GB`` is 10**9 B."""
     for scale, unit in _UNITS:
         if abs(nbytes) >= scale:
+            if abs(nbytes) >= 10**18 * scale:  # beyond any real host (and maybe any float)
+                digits = str(abs(nbytes) // scale)
+                sign = "-" if nbytes < 0 else ""
+                return f"{sign}{digits[0]}.{digits[1:4]}e+{len(digits) - 1} {unit}"
             return f"{nbytes / scale:.2f} {unit}"
     return f"{nbytes} B"
 
