@@ -51,18 +51,29 @@ def _check_int(name: str, value: object, low: int) -> None:
         raise ConfigError(f"ServiceConfig.{name} must be >= {low}, got {value}")
 
 
+def as_float(value: int | float) -> float:
+    """``value`` as a float; an int too large for one reads as an infinity of its sign."""
+    try:
+        return float(value)
+    except OverflowError:  # Python ints have no bound, floats do
+        return math.inf if value > 0 else -math.inf
+
+
+def shown(value: int | float) -> str:
+    """``value`` for an error message: its repr, or for an int too large for a float its
+    length (hundreds of digits help nobody)."""
+    if isinstance(value, int) and not math.isfinite(as_float(value)):
+        return f"an int of {len(str(abs(value)))} digits"
+    return repr(value)
+
+
 def _check_seconds(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"ServiceConfig.{name} must be a number of seconds, got {value!r}")
-    try:
-        seconds = float(value)
-    except OverflowError:  # an int beyond any float
-        seconds = math.inf
+    seconds = as_float(value)
     if not (seconds > 0 and math.isfinite(seconds)):
-        shown = f"an int of {len(str(abs(value)))} digits" if seconds == math.inf and \
-            isinstance(value, int) else value
         raise ConfigError(f"ServiceConfig.{name} must be a positive finite number of seconds, "
-                          f"got {shown}")
+                          f"got {shown(value)}")
 
 
 def _check_path(name: str, value: object) -> None:

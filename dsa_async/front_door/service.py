@@ -35,7 +35,7 @@ from prometheus_client import CollectorRegistry
 from .._version import __version__
 from ..completion.result import TransferResult
 from ..completion.transfer import Transfer
-from ..config import ServiceConfig
+from ..config import ServiceConfig, as_float, shown
 from ..errors import (
     ArgumentTypeError,
     ArgumentValueError,
@@ -718,15 +718,10 @@ def _deadline_offset_s(deadline_s: object) -> float:
     if isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float)):
         raise ArgumentTypeError(f"deadline_s must be a finite number of seconds or None, "
                                 f"got {deadline_s!r} ({type(deadline_s).__name__})")
-    try:
-        offset_s = float(deadline_s)
-    except OverflowError:  # an int beyond any float
-        offset_s = math.inf
+    offset_s = as_float(deadline_s)
     if not math.isfinite(offset_s):
-        shown = repr(deadline_s) if isinstance(deadline_s, float) else \
-            f"an int of {len(str(abs(deadline_s)))} digits"
         raise ArgumentValueError(f"deadline_s must be a finite number of seconds or None, "
-                                 f"got {shown}; pass None for no deadline")
+                                 f"got {shown(deadline_s)}; pass None for no deadline")
     return offset_s
 
 
