@@ -607,7 +607,7 @@ class OffloadService:
         if not on_loop:
             request.state = POSTED
         if producers.deps:  # after those requests' copies, and only if they succeed
-            request.deps = tuple((dep, True) for dep in producers.deps)
+            request.follow((dep, True) for dep in producers.deps)
         return Transfer(request, scheduler), producers.loop
 
     def _accept_on_loop(self, scheduler: Scheduler, request: Request,

@@ -281,7 +281,7 @@ class HazardTable:
                 for pending in any_read.values():
                     found.setdefault(id(pending), (pending, False))
         if found:
-            request.deps = (*request.deps, *found.values())
+            request.follow(found.values())
 
     def _admit_tables(self, request: Request, d, other, reads, writes, found: dict) -> None:
         """:meth:`admit`'s page work when a long request is involved (the general path)."""

@@ -47,7 +47,7 @@ class Request:
     __slots__ = (
         "seq", "direction", "host_pages", "device_pages", "num_pages", "host_handle", "owns_host",
         "after", "priority", "deadline", "submitted_at", "padding_tokens", "nbytes",
-        "deps", "deps_left_queue", "handle", "batch_index", "state", "cancel_requested", "future",
+        "deps", "data_deps", "deps_left_queue", "handle", "batch_index", "state", "cancel_requested", "future",
         "started", "_start_waiter", "end_waiter", "layer_seen", "waiters", "loop_waits",
         "observed", "dropped", "device_indices", "count_wasted_at_end", "__weakref__",
     )
@@ -79,6 +79,9 @@ class Request:
         self.nbytes = nbytes
         #: earlier requests this one follows, and whether it needs their data (hazards.py)
         self.deps: tuple[tuple[Request, bool], ...] = ()
+        #: those of ``deps`` whose data it needs (it fails if one of them did not end done);
+        #: usually none or one, so the checks made per pass over the queue stay short
+        self.data_deps: tuple[Request, ...] = ()
         #: how many leading ``deps`` have left the queue (submitted or finished; they never
         #: come back), so each pass over the queue resumes after them (scheduler.py)
         self.deps_left_queue = 0
@@ -93,6 +96,15 @@ class Request:
         self.end_waiter: threading.Event | None = None
         self.layer_seen: bytearray | None = None  # timeliness per layer, created lazily
         self.waiters: list[asyncio.Future] | None = None  # one per task awaiting the Transfer
+
+    def follow(self, deps) -> None:
+        """Add ``deps`` (``(request, needs_data)`` pairs, none already followed) to what this
+        request follows. Loop thread, or the submitting thread before the hand-off."""
+        deps = tuple(deps)
+        self.deps = (*self.deps, *deps)
+        data = tuple(dep for dep, needs_data in deps if needs_data)
+        if data:
+            self.data_deps = (*self.data_deps, *data)
 
     def mark_started(self) -> None:
         """Loop side: the copy was submitted, or the request ended. Wakes waiting threads.

@@ -196,10 +196,11 @@ class Scheduler:
                     if _waits_for_a_queued_dep(request):
                         kept.append(request)
                         continue
-                    failed = self._failed_data_dependency(request)
-                    if failed is not None:
-                        self.finish(request, FAILED, error=failed)
-                        continue
+                    if request.data_deps:
+                        failed = self._failed_data_dependency(request)
+                        if failed is not None:
+                            self.finish(request, FAILED, error=failed)
+                            continue
                 if request.nbytes > room and (busy or chosen):
                     full = True  # backpressure: wait for in-flight bytes to drain, keep order
                     kept.append(request)
@@ -234,8 +235,8 @@ class Scheduler:
                                 ) -> BaseException | None:
         """The error of a finished request this one needs (its backup, or its ``after=``);
         ``copied``: this request's copy ran (its dependency was cancelled meanwhile)."""
-        for dep, needs_data in request.deps:
-            if needs_data and dep.state is FINISHED and (
+        for dep in request.data_deps:
+            if dep.state is FINISHED and (
                 dep.future.cancelled() or dep.future.exception() is not None
             ):
                 error = TransferFailedError(
@@ -285,8 +286,8 @@ class Scheduler:
         shared: list[Request] = []
         for request in requests:
             if (request.after and solo_producers) or request.device_indices is not None or (
-                    request.deps and any(needs_data and dep.state is SUBMITTED
-                                         for dep, needs_data in request.deps)):
+                    request.data_deps and any(dep.state is SUBMITTED
+                                              for dep in request.data_deps)):
                 self._submit_batch(direction, [request])
             else:
                 shared.append(request)
@@ -365,7 +366,7 @@ class Scheduler:
                 failure = TransferFailedError(
                     f"{direction.value} copy of {request.num_pages} pages failed: {error!r}")
                 failure.__cause__ = error
-            elif request.deps and (failure := self._failed_data_dependency(
+            elif request.data_deps and (failure := self._failed_data_dependency(
                     request, copied=True)) is not None:
                 # What it needs was cancelled while both were in the engine: it fails as it
                 # would have had that happened while it was queued.
