@@ -1,9 +1,20 @@
+import errno
+import re
 import resource
 import tempfile
 from pathlib import Path
 
 import pytest
-from fake_roots import GIB, MIB, Level, make_root, write_cgroup_v1, write_cgroup_v2, write_meminfo
+from fake_roots import (
+    GIB,
+    MIB,
+    V1_UNLIMITED,
+    Level,
+    make_root,
+    write_cgroup_v1,
+    write_cgroup_v2,
+    write_meminfo,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -56,6 +67,12 @@ def test_reserve_override_replaces_the_default(tmp_path, reserve_bytes):
 def test_bad_reserve_is_a_config_error(tmp_path, bad):
     with pytest.raises(ConfigError, match="reserve_bytes"):
         probe(make_root(tmp_path), reserve_bytes=bad)
+
+
+@pytest.mark.parametrize("bad", ["no", "", 0, 1, [1], None, 1.0], ids=repr)
+def test_hugepages_takes_only_a_bool(tmp_path, bad):
+    with pytest.raises(ConfigError, match="hugepages must be True or False"):
+        probe(make_root(tmp_path), hugepages=bad)
 
 
 def test_reserve_larger_than_the_budget_leaves_zero_not_negative(tmp_path):
@@ -335,3 +352,115 @@ def test_available_is_the_minimum_of_every_headroom(levels, mem_available_kib):
     headrooms = [max(0, lim - max(0, use - inact)) for lim, use, inact in levels if lim is not None]
     assert snap.available_bytes == min([mem_available_kib * 1024] + headrooms)
     assert len(snap.levels) == len(levels)
+
+
+# --- files the probe cannot use: never a silently wider budget, never a leaked OSError ----------
+
+def _tree_with_every_file(tmp_path, version):
+    """A root whose cgroup level has every file the probe reads: (root, the level's directory)."""
+    root = make_root(tmp_path)
+    if version == "v2":
+        write_cgroup_v2(root, "/a", {"/a": Level(8 * GIB, 2 * GIB, GIB)})
+        level_dir = root / "sys/fs/cgroup/a"
+        (level_dir / "memory.high").write_text(f"{6 * GIB}\n")
+    else:
+        write_cgroup_v1(root, "/a", {"/a": Level(8 * GIB, 2 * GIB, GIB)})
+        level_dir = root / "sys/fs/cgroup/memory/a"
+        (level_dir / "memory.memsw.limit_in_bytes").write_text(f"{10 * GIB}\n")
+        (level_dir / "memory.memsw.usage_in_bytes").write_text(f"{3 * GIB}\n")
+    probe(root)  # every file as written is fine
+    return root, level_dir
+
+
+FIGURE_FILES = [  # (version, file under the level's directory or the root, how to write a value)
+    ("v2", "memory.max", "{}\n"), ("v2", "memory.current", "{}\n"), ("v2", "memory.high", "{}\n"),
+    ("v2", "memory.stat", "anon 4096\ninactive_file {}\nactive_file 0\n"),
+    ("v1", "memory.limit_in_bytes", "{}\n"), ("v1", "memory.usage_in_bytes", "{}\n"),
+    ("v1", "memory.memsw.limit_in_bytes", "{}\n"), ("v1", "memory.memsw.usage_in_bytes", "{}\n"),
+    ("v1", "memory.stat", "total_cache 8192\ntotal_inactive_file {}\n"),
+    ("v2", "/proc/meminfo", "MemTotal: {} kB\nMemAvailable: 1024 kB\n"),
+    ("v2", "/proc/meminfo", "MemTotal: 2048 kB\nMemAvailable: {} kB\n"),
+]
+# Unicode digits (str.isdigit() takes them all; int() takes only some), signs, fractions, words.
+NOT_A_FIGURE = ["\u0661\u0662\u0663", "\u00b2", "\uff11\uff12", "12a", "-1", "+5", "1.5", "1e9",
+                "0x10", "", "garbage", "unlimited"]
+
+
+@pytest.mark.parametrize("version,name,template", FIGURE_FILES)
+@pytest.mark.parametrize("bad", NOT_A_FIGURE)
+def test_a_figure_that_is_not_an_ascii_number_is_a_config_error_naming_the_file(
+        tmp_path, version, name, template, bad):
+    """A limit, usage or meminfo figure the probe cannot read as plain ASCII digits is refused,
+    naming the file and its contents: read as no limit it would widen the budget."""
+    root, level_dir = _tree_with_every_file(tmp_path, version)
+    path = root / name.lstrip("/") if name.startswith("/") else level_dir / name
+    path.write_text(template.format(bad))
+    with pytest.raises(ConfigError, match=re.escape(str(path))) as caught:
+        probe(root)
+    assert repr(bad) in str(caught.value) and "not a number" in str(caught.value)
+
+
+@pytest.mark.parametrize("version,name", sorted({(v, n) for v, n, _ in FIGURE_FILES} | {
+    ("v2", "/proc/self/cgroup"), ("v2", "/proc/self/mountinfo"),
+    ("v1", "/proc/self/cgroup"), ("v1", "/proc/self/mountinfo")}))
+@pytest.mark.parametrize("how", ["symlink-loop", "directory", "permission"])
+def test_a_file_that_exists_but_cannot_be_read_is_a_config_error_naming_it(
+        tmp_path, monkeypatch, version, name, how):
+    """Unlike a missing file (no limit known there), a file that is there but unreadable may
+    hold a limit: the probe refuses to guess instead of leaking the OSError."""
+    root, level_dir = _tree_with_every_file(tmp_path, version)
+    path = root / name.lstrip("/") if name.startswith("/") else level_dir / name
+    path.unlink()
+    if how == "symlink-loop":
+        path.symlink_to(path.name)  # ELOOP
+    elif how == "directory":
+        path.mkdir()  # EISDIR
+    else:  # root reads files whatever their mode: make the read itself fail
+        path.write_text("0\n")
+        real_read_text = Path.read_text
+
+        def read_text(self, *args, **kwargs):
+            if self == path:
+                raise PermissionError(errno.EACCES, "Permission denied", str(self))
+            return real_read_text(self, *args, **kwargs)
+
+        monkeypatch.setattr(Path, "read_text", read_text)
+    with pytest.raises(ConfigError, match=f"cannot read {re.escape(str(path))}"):
+        probe(root)
+
+
+@pytest.mark.parametrize("version", ["v2", "v1"])
+def test_missing_optional_files_still_mean_none(tmp_path, version):
+    root, level_dir = _tree_with_every_file(tmp_path, version)
+    for name in ("memory.high", "memory.memsw.limit_in_bytes", "memory.memsw.usage_in_bytes",
+                 "memory.stat"):
+        (level_dir / name).unlink(missing_ok=True)
+    (level,) = probe(root, reserve_bytes=0).levels
+    assert (level.limit_bytes, level.inactive_file_bytes, level.headroom_bytes) == (
+        8 * GIB, 0, 6 * GIB)
+
+
+def test_v1_memsw_is_reported_apart_from_the_memory_limit_and_caps_only_the_headroom(tmp_path):
+    """memory.memsw.limit_in_bytes is memory + swap: never the memory limit (limit_bytes, nor
+    the snapshot's tightest limit); its headroom caps the budget when it is lower."""
+    root = make_root(tmp_path, mem_total_bytes=64 * GIB, mem_available_bytes=48 * GIB)
+    write_cgroup_v1(root, "/docker/abc",
+                    {"/docker/abc": Level(limit_bytes=8 * GIB, usage_bytes=6 * GIB)})
+    level_dir = root / "sys/fs/cgroup/memory/docker/abc"
+    (level_dir / "memory.memsw.limit_in_bytes").write_text(f"{10 * GIB}\n")
+    (level_dir / "memory.memsw.usage_in_bytes").write_text(f"{int(9.5 * GIB)}\n")
+    snap = probe(root, reserve_bytes=0)
+    (level,) = snap.levels
+    assert (level.limit_bytes, level.usage_bytes, level.working_set_bytes) == (
+        8 * GIB, 6 * GIB, 6 * GIB)
+    assert (level.memsw_limit_bytes, level.memsw_usage_bytes) == (10 * GIB, int(9.5 * GIB))
+    assert (level.headroom_bytes, level.limit_file) == (GIB // 2, "memory.memsw.limit_in_bytes")
+    assert snap.limit_bytes == 8 * GIB and snap.available_bytes == GIB // 2
+    assert probe(root).reserve_bytes == default_reserve_bytes(8 * GIB)
+    (level_dir / "memory.memsw.usage_in_bytes").write_text(f"{7 * GIB}\n")  # little swapped
+    (level,) = probe(root, reserve_bytes=0).levels
+    assert (level.limit_bytes, level.headroom_bytes, level.limit_file) == (
+        8 * GIB, 2 * GIB, "memory.limit_in_bytes")
+    (level_dir / "memory.memsw.limit_in_bytes").write_text(f"{V1_UNLIMITED}\n")
+    (level,) = probe(root, reserve_bytes=0).levels
+    assert (level.memsw_limit_bytes, level.headroom_bytes) == (None, 2 * GIB)

@@ -159,6 +159,9 @@ def budget_as_dict(budget: BudgetSnapshot) -> dict[str, Any]:
                 "inactive_file_bytes": lvl.inactive_file_bytes,
                 "working_set_bytes": lvl.working_set_bytes,
                 "headroom_bytes": lvl.headroom_bytes,
+                "limit_file": lvl.limit_file,
+                "memsw_limit_bytes": lvl.memsw_limit_bytes,
+                "memsw_usage_bytes": lvl.memsw_usage_bytes,
             }
             for lvl in budget.levels
         ],

@@ -12,9 +12,22 @@ allocation. A parent cgroup tighter than the child wins, because the kernel char
 RLIMIT_MEMLOCK is reported but never caps the budget: the CUDA driver page-locks memory for
 ``cudaHostRegister``/``cudaHostAlloc`` through its own kernel path, not ``mlock(2)``.
 
+On cgroup v1 with swap accounting, memory + swap is charged too: ``memory.memsw.*`` is reported
+separately and caps the headroom when its own headroom is lower; the memory limit stays
+``memory.limit_in_bytes``.
+
 Every file is read below an injectable root (argument, else ``$DSA_ASYNC_ROOT``, else ``/``), so
 tests feed fake ``proc/`` and ``sys/fs/cgroup/`` trees. A probe is a handful of small blocking
 file reads (well under a millisecond); it takes no locks.
+
+Files that cannot be used, the same way for every file: a file that does not exist (or under a
+path component that is not a directory) means what its absence means: no ``/proc/meminfo`` is a
+``ConfigError``, no mountinfo means the standard mountpoints, no ``/proc/self/cgroup`` or no limit
+or usage file means no cgroup limit known there, no ``memory.stat`` means no inactive file cache,
+no ``memory.high`` or ``memory.memsw.*`` means none. A file that exists but cannot be read
+(permissions, a symlink loop, a directory, an I/O error), or a figure the probe needs that is not
+a plain ASCII number (or the file's word for no limit: ``max``), is a ``ConfigError`` naming the
+file and what it holds: it may hold a limit, and the probe refuses to guess a budget.
 """
 
 from __future__ import annotations
@@ -28,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..geometry import as_flag
 
 ROOT_ENV = "DSA_ASYNC_ROOT"
 GIB_BYTES = 1 << 30
@@ -65,9 +79,13 @@ class CgroupLevel:
     inactive_file_bytes: int
     working_set_bytes: int
     headroom_bytes: int | None
-    #: the file whose limit binds: memory.max or memory.high (v2); memory.limit_in_bytes or
+    #: the file whose headroom binds: memory.max or memory.high (v2); memory.limit_in_bytes or
     #: memory.memsw.limit_in_bytes (v1, memory + swap)
     limit_file: str = ""
+    #: v1 with swap accounting: the memory + swap limit (None: unlimited or no accounting) and
+    #: usage (None: no accounting). Not the memory limit; it caps ``headroom_bytes`` when lower.
+    memsw_limit_bytes: int | None = None
+    memsw_usage_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if not self.limit_file:
@@ -113,10 +131,43 @@ def _under(root: Path, absolute: str) -> Path:
 
 
 def _read_text(path: Path) -> str | None:
+    """The file's text; ``None`` when it does not exist. Any other ``OSError`` is a
+    ``ConfigError`` (see the module docstring)."""
     try:
         return path.read_text(encoding="utf-8", errors="replace")
-    except (FileNotFoundError, NotADirectoryError, PermissionError, IsADirectoryError):
+    except (FileNotFoundError, NotADirectoryError):
         return None
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot read {path}: {exc.strerror or exc}; the host-memory budget will not guess "
+            f"a limit it cannot read: make the file readable, or point ${ROOT_ENV} at another tree"
+        ) from None
+
+
+def _ascii_int(text: str) -> int | None:
+    """``text`` as an int when it is ASCII digits only, else ``None`` (``str.isdigit()`` and
+    ``int()`` take other scripts' digits too, and do not agree on which)."""
+    return int(text) if re.fullmatch(r"[0-9]+", text) else None
+
+
+def _figure(where: str, text: str, *, unlimited_word: str | None = None) -> int | None:
+    """A file's figure in bytes, or ``None`` for ``unlimited_word``; anything else is a
+    ``ConfigError`` naming ``where`` and the text."""
+    text = text.strip()
+    if unlimited_word is not None and text == unlimited_word:
+        return None
+    value = _ascii_int(text)
+    if value is None:
+        shown = repr(text) if len(text) <= 60 else f"{text[:60]!r}... ({len(text)} characters)"
+        also = f" or {unlimited_word!r}" if unlimited_word else ""
+        raise ConfigError(
+            f"{where} holds {shown}, not a number of bytes{also}; the host-memory budget will not "
+            f"guess a limit: fix the file, or point ${ROOT_ENV} at another tree"
+        )
+    return value
+
+
+_MEMINFO_KEYS = ("MemTotal", "MemAvailable", "HugePages_Free", "HugePages_Rsvd", "Hugepagesize")
 
 
 def _read_meminfo(root: Path) -> dict[str, int]:
@@ -131,10 +182,12 @@ def _read_meminfo(root: Path) -> dict[str, int]:
     values: dict[str, int] = {}
     for line in text.splitlines():
         key, _, rest = line.partition(":")
-        fields = rest.split()
-        if not fields or not fields[0].isdigit():
-            continue
-        values[key.strip()] = int(fields[0]) * (1024 if fields[1:2] == ["kB"] else 1)
+        key, rest = key.strip(), rest.strip()
+        if key in _MEMINFO_KEYS:  # other lines may hold anything
+            kib = rest.endswith("kB")
+            number = _figure(f"{path} line {key!r}", rest[:-2] if kib else rest)
+            assert number is not None
+            values[key] = number * (1024 if kib else 1)
     for key in ("MemTotal", "MemAvailable"):
         if key not in values:
             raise ConfigError(f"{path} has no {key} line (kernel older than 3.14, or not meminfo)")
@@ -225,12 +278,12 @@ def _level_paths(cgroup_path: str, mount: _Mount) -> list[tuple[str, str]]:
 
 
 def _read_stat_key(path: Path, keys: tuple[str, ...]) -> int:
-    text = _read_text(path) or ""
+    """The first of ``keys`` that ``path`` (memory.stat) has; 0 when none (or no file)."""
     stat = {}
-    for line in text.splitlines():
-        fields = line.split()
-        if len(fields) == 2 and fields[1].isdigit():
-            stat[fields[0]] = int(fields[1])
+    for line in (_read_text(path) or "").splitlines():
+        key, _, value = line.strip().partition(" ")
+        if key in keys:  # other lines may hold anything
+            stat[key] = _figure(f"{path} line {key!r}", value)
     return next((stat[k] for k in keys if k in stat), 0)
 
 
@@ -247,42 +300,49 @@ _FILES = {
 def _read_level(directory: Path, path: str, version: CgroupVersion) -> CgroupLevel | None:
     """One level's figures; ``None`` when its limit or usage file is missing."""
     limit_name, usage_name, inactive_keys = _FILES[version]
-    limit_text = (_read_text(directory / limit_name) or "").strip()
-    usage_text = (_read_text(directory / usage_name) or "").strip()
-    if not limit_text or not usage_text.isdigit():
+    limit_text = _read_text(directory / limit_name)
+    usage_text = _read_text(directory / usage_name)
+    if limit_text is None or usage_text is None:
         return None
-    usage_bytes = int(usage_text)
-    limit_bytes: int | None
-    if version is CgroupVersion.V2 and limit_text == "max":
+    v2 = version is CgroupVersion.V2
+    limit_bytes = _figure(str(directory / limit_name), limit_text,
+                          unlimited_word="max" if v2 else None)
+    if not v2 and limit_bytes is not None and limit_bytes >= V1_UNLIMITED_FLOOR_BYTES:
         limit_bytes = None
-    elif limit_text.isdigit():
-        limit_bytes = int(limit_text)
-        if version is CgroupVersion.V1 and limit_bytes >= V1_UNLIMITED_FLOOR_BYTES:
-            limit_bytes = None
-    else:
-        return None
+    usage_bytes = _figure(str(directory / usage_name), usage_text)
+    assert usage_bytes is not None
     inactive_file_bytes = _read_stat_key(directory / "memory.stat", inactive_keys)
     working_set_bytes = max(0, usage_bytes - inactive_file_bytes)
     headroom_bytes = None if limit_bytes is None else max(0, limit_bytes - working_set_bytes)
     limit_file = limit_name
-    if version is CgroupVersion.V2:
+    memsw_limit_bytes = memsw_usage_bytes = None
+    if v2:
         # Above memory.high the kernel throttles and reclaims hard: a page-locked or
         # zero-filled arena cannot be reclaimed, so the high mark is a limit too.
-        high_text = (_read_text(directory / "memory.high") or "").strip()
-        if high_text.isdigit() and (limit_bytes is None or int(high_text) < limit_bytes):
-            limit_bytes, limit_file = int(high_text), "memory.high"
+        high_text = _read_text(directory / "memory.high")
+        high_bytes = (None if high_text is None else
+                      _figure(str(directory / "memory.high"), high_text, unlimited_word="max"))
+        if high_bytes is not None and (limit_bytes is None or high_bytes < limit_bytes):
+            limit_bytes, limit_file = high_bytes, "memory.high"
             headroom_bytes = max(0, limit_bytes - working_set_bytes)
     else:
-        # With swap accounting, memory + swap is charged too: swapping out lowers no charge.
-        sw_limit = (_read_text(directory / "memory.memsw.limit_in_bytes") or "").strip()
-        sw_usage = (_read_text(directory / "memory.memsw.usage_in_bytes") or "").strip()
-        if sw_limit.isdigit() and sw_usage.isdigit() and (
-                int(sw_limit) < V1_UNLIMITED_FLOOR_BYTES):
-            sw_headroom = max(0, int(sw_limit) - max(0, int(sw_usage) - inactive_file_bytes))
-            if headroom_bytes is None or sw_headroom < headroom_bytes:
-                limit_bytes, limit_file = int(sw_limit), "memory.memsw.limit_in_bytes"
-                usage_bytes, headroom_bytes = int(sw_usage), sw_headroom
-                working_set_bytes = max(0, usage_bytes - inactive_file_bytes)
+        # With swap accounting, memory + swap is charged too: swapping out lowers no charge,
+        # so its headroom caps a new arena as well. It is not the memory limit.
+        sw_limit_text = _read_text(directory / "memory.memsw.limit_in_bytes")
+        sw_usage_text = _read_text(directory / "memory.memsw.usage_in_bytes")
+        if sw_limit_text is not None and sw_usage_text is not None:
+            memsw_limit_bytes = _figure(str(directory / "memory.memsw.limit_in_bytes"),
+                                        sw_limit_text)
+            memsw_usage_bytes = _figure(str(directory / "memory.memsw.usage_in_bytes"),
+                                        sw_usage_text)
+            assert memsw_limit_bytes is not None and memsw_usage_bytes is not None
+            if memsw_limit_bytes >= V1_UNLIMITED_FLOOR_BYTES:
+                memsw_limit_bytes = None
+            else:
+                sw_headroom = max(0, memsw_limit_bytes
+                                  - max(0, memsw_usage_bytes - inactive_file_bytes))
+                if headroom_bytes is None or sw_headroom < headroom_bytes:
+                    headroom_bytes, limit_file = sw_headroom, "memory.memsw.limit_in_bytes"
     return CgroupLevel(
         path=path,
         version=version,
@@ -293,6 +353,8 @@ def _read_level(directory: Path, path: str, version: CgroupVersion) -> CgroupLev
         working_set_bytes=working_set_bytes,
         headroom_bytes=headroom_bytes,
         limit_file=limit_file,
+        memsw_limit_bytes=memsw_limit_bytes,
+        memsw_usage_bytes=memsw_usage_bytes,
     )
 
 
@@ -345,6 +407,7 @@ def probe_host_budget(
         isinstance(reserve_bytes, bool) or not isinstance(reserve_bytes, int) or reserve_bytes < 0
     ):
         raise ConfigError(f"reserve_bytes must be an int >= 0, got {reserve_bytes!r}")
+    hugepages = as_flag("hugepages", hugepages)
     base = resolve_root(root)
     meminfo = _read_meminfo(base)
     levels = read_cgroup_levels(base)
