@@ -6,6 +6,8 @@ import asyncio
 import functools
 import importlib.util
 import json
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -310,6 +312,19 @@ def test_json_into_a_missing_directory_exits_2_before_measuring(tmp_path, capsys
     code = main(["bench", "--json", str(tmp_path / "nope" / "b.json")])
     assert code == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--json", "--plot"])
+@pytest.mark.parametrize("where", ["a-directory", "under-a-file", "in-proc"])
+def test_an_output_that_cannot_be_written_exits_2_before_measuring(tmp_path, capsys, flag, where):
+    (tmp_path / "a-file").write_text("x")
+    path = {"a-directory": tmp_path, "under-a-file": tmp_path / "a-file" / "out",
+            "in-proc": Path("/proc/dsa-async-bench-out")}[where]
+    started = time.monotonic()
+    assert main(["bench", "--backend", "cpu", flag, str(path)]) == 2
+    assert f"{flag} {str(path)!r}" in capsys.readouterr().err
+    assert time.monotonic() - started < 30  # nothing measured
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
 
 
 def test_token_baseline_moves_132_byte_rows_as_int32():

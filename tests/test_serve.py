@@ -21,11 +21,17 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 
 from dsa_async.cli import build_parser, main
 from dsa_async.cli.serve import options_from
+from dsa_async.errors import ConfigError
 from dsa_async.host_memory.ledger import LEDGER_ENV
-from dsa_async.workload.runner import STARTED, serve
+from dsa_async.kinds import Backend
+from dsa_async.workload.consumer import MAX_COMPUTE_DIM
+from dsa_async.workload.pagedata import MAX_SEED
+from dsa_async.workload.runner import STARTED, ServeOptions, _check_device_buffers_fit, serve
+from dsa_async.workload.summary import check_writable_file
 
 REPO = Path(__file__).resolve().parents[1]
 DEADLINE_S = 90  # generous: only proves nothing hangs
@@ -156,7 +162,7 @@ async def test_trace_workload_replays_every_turn(tmp_path, monkeypatch):
     out = tmp_path / "s.json"
     args = build_parser().parse_args(
         ["serve", *SMALL, "--device-pages", "16", "--workload", f"trace:{trace}",
-         "--duration-s", "60", "--quiet", "--json-summary", str(out)])
+         "--duration-s", "60", "--quiet", "--json-summary", str(out), "--seed", str(MAX_SEED)])
     printed = io.StringIO()
     async with asyncio.timeout(DEADLINE_S):
         summary = await serve(options_from(args), stdout=printed)
@@ -191,17 +197,21 @@ def test_bad_arguments_exit_2(args, capsys):
     assert "error:" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("case", ["summary-is-a-directory", "buffers-larger-than-memory"])
+@pytest.mark.parametrize("case", ["summary-is-a-directory", "buffers-larger-than-memory",
+                                  "buffers-beyond-any-memory"])
 def test_arguments_that_cannot_work_exit_2_before_any_work(case, tmp_path, capsys):
     """Checked before anything is allocated or run: a JSON summary path that is a directory,
     and device buffers (host memory on the CPU backend) larger than the memory available."""
     args = {"summary-is-a-directory": ["--json-summary", str(tmp_path), "--layers", "2",
                                        "--device-pages", "8"],
-            "buffers-larger-than-memory": ["--layers", "1000000"]}[case]
+            "buffers-larger-than-memory": ["--layers", "1000000"],
+            "buffers-beyond-any-memory": ["--layers", str(2**63 - 1),
+                                          "--device-pages", str(2**63 - 1)]}[case]
     assert main(["serve", "--backend", "cpu", "--duration-s", "1", "--quiet", *args]) == 2
     err = capsys.readouterr().err
     assert {"summary-is-a-directory": "is a directory",
-            "buffers-larger-than-memory": "GB of device buffers"}[case] in err
+            "buffers-larger-than-memory": "TB of device buffers",
+            "buffers-beyond-any-memory": "of device buffers"}[case] in err
 
 
 async def test_an_arrival_rate_beyond_what_the_loop_keeps_up_with_still_stops_on_time(
@@ -233,3 +243,95 @@ async def test_a_forward_pass_that_cannot_allocate_its_compute_fails_the_run_on_
     async with asyncio.timeout(DEADLINE_S):
         summary = await serve(options_from(args), stdout=io.StringIO())
     assert summary.errors > 0 and summary.turns == 0
+
+
+# Integers too large for what the run does with them: torch takes 64-bit seeds, a [D, D]
+# matrix needs D * D to fit 64 bits, every count is an int64 size; int() refuses 4,301+ digits.
+TOO_LARGE = [("--seed", v) for v in (str(MAX_SEED + 1), str(2**64 + 12345), str(10**30))] + [
+    ("--compute-dim", v) for v in (str(MAX_COMPUTE_DIM + 1), str(10**20))] + [
+    ("--metrics-port", "65536")] + [
+    (option, str(2**63)) for option in ("--compute-dim", "--layers", "--device-pages")] + [
+    (option, v) for option in ("--seed", "--compute-dim", "--layers", "--device-pages",
+                               "--metrics-port")
+    for v in ("1" + "0" * 400, "9" * 5000)]
+
+
+@pytest.mark.parametrize(("option", "value"), TOO_LARGE,
+                         ids=[f"{o}={v[:12]}({len(v)})" for o, v in TOO_LARGE])
+def test_integer_options_too_large_to_use_exit_2_naming_the_range(option, value, capsys):
+    """Refused by the argument parser, before anything runs, like any other bad argument."""
+    rest = ["--backend", "cpu", "--duration-s", "1", "--quiet"]
+    if option not in ("--layers", "--device-pages"):
+        rest += ["--layers", "2", "--device-pages", "8"]
+    assert main(["serve", *rest, option, value]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"argument {option}: " in err and "is out of range: use " in err, err
+    assert len(err) < 300  # a 5,000-digit value is shortened
+
+
+def test_cuda_device_buffers_larger_than_free_device_memory_are_refused(monkeypatch):
+    """On CUDA the device buffers are device memory: checked against what the device has
+    free before anything is allocated, so a size no device holds is a ConfigError."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *args: (8 * 10**9, 16 * 10**9))
+    _check_device_buffers_fit(ServeOptions(), Backend.CUDA)  # 246 MB fits in 8 GB
+    for options in (ServeOptions(num_layers=10**6), ServeOptions(num_layers=2**63 - 1,
+                                                                 device_pages=2**63 - 1)):
+        with pytest.raises(ConfigError, match=r"of device buffers, and the CUDA device has "
+                                              r"8\.00 GB available"):
+            _check_device_buffers_fit(options, Backend.CUDA)
+
+
+def test_the_largest_usable_integers_are_accepted():
+    args = build_parser().parse_args(
+        ["serve", "--seed", str(MAX_SEED), "--compute-dim", str(MAX_COMPUTE_DIM),
+         "--layers", str(2**63 - 1), "--device-pages", str(2**63 - 1), "--metrics-port", "65535"])
+    assert (args.seed, args.compute_dim, args.layers) == (MAX_SEED, MAX_COMPUTE_DIM, 2**63 - 1)
+    options_from(args)  # ServeOptions takes them too
+
+
+@pytest.mark.parametrize(("field", "bad"), [
+    ("seed", -1), ("seed", MAX_SEED + 1), ("seed", 10**400), ("seed", True), ("seed", 1.0),
+    ("seed", "1"), ("compute_dim", 0), ("compute_dim", MAX_COMPUTE_DIM + 1),
+    ("compute_dim", 2.0), ("quiet", "no"), ("quiet", 1), ("quiet", None),
+], ids=repr)
+def test_serve_options_refuse_values_the_run_cannot_use(field, bad):
+    with pytest.raises(ConfigError, match=f"ServeOptions.{field} must be"):
+        ServeOptions(**{field: bad})
+
+
+def _unwritable_summary(case: str, tmp_path: Path) -> Path:
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    return {"missing-directory": tmp_path / "absent" / "s.json",
+            "a-directory": tmp_path,
+            "under-a-file": a_file / "s.json",
+            "in-proc": Path("/proc/dsa-async-summary.json"),
+            "in-sys": Path("/sys/dsa-async-summary.json")}[case]
+
+
+@pytest.mark.parametrize("case", ["missing-directory", "a-directory", "under-a-file", "in-proc",
+                                  "in-sys"])
+def test_a_summary_path_that_cannot_be_written_exits_2_before_the_run(
+        case, tmp_path, capsys, caplog, monkeypatch):
+    monkeypatch.setenv(LEDGER_ENV, str(tmp_path / "ledger"))
+    path = _unwritable_summary(case, tmp_path)
+    before = sorted(tmp_path.rglob("*"))
+    caplog.set_level("INFO")
+    assert main(["serve", "--backend", "cpu", "--duration-s", "1", "--quiet", "--layers", "2",
+                 "--device-pages", "8", "--json-summary", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"--json-summary {str(path)!r}" in err, err
+    assert STARTED not in caplog.text  # refused before the run, not after it
+    assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_the_summary_path_check_leaves_nothing_behind(tmp_path):
+    fresh = tmp_path / "fresh.json"
+    check_writable_file(fresh, "--json-summary")
+    assert not fresh.exists()
+    kept = tmp_path / "kept.json"
+    kept.write_text("keep me")
+    check_writable_file(kept, "--json-summary")
+    assert kept.read_text() == "keep me"
+    check_writable_file("/dev/null", "--json-summary")  # a device: written as given
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept.json"]

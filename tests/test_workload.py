@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import queue
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from dsa_async.config import PoolSize, ServiceConfig
 from dsa_async.front_door.service import OffloadService
 from dsa_async.host_memory.pool import HostPages
 from dsa_async.workload.conversations import (
+    MAX_TURN_TOKENS,
     Conversation,
     MultiTurnModel,
     TraceError,
@@ -23,6 +25,7 @@ from dsa_async.workload.conversations import (
     parse_trace,
     parse_trace_lines,
 )
+from dsa_async.workload.consumer import ForwardPass, Step
 from dsa_async.workload.device_cache import DeviceCache
 from dsa_async.workload.engine import EngineSettings, ServingEngine
 from dsa_async.workload.host_cache import HostCache
@@ -164,6 +167,46 @@ def test_a_bad_trace_line_is_refused_with_its_line_number(tmp_path, bad, message
     assert f"{path} line 4: " in str(info.value) and message in str(info.value)
 
 
+# Number literals JSON parses (Python's json takes NaN and Infinity too) that no field can use:
+# beyond a float, beyond int()'s 4,300 digits, not finite, fractional, negative.
+UNUSABLE_NUMBERS = ["1e400", "-1e400", "1" + "0" * 400, "-" + "9" * 400, "7" * 5000, "NaN",
+                    "Infinity", "-Infinity", "-1", "-0.5"]
+UNUSABLE_COUNTS = UNUSABLE_NUMBERS + ["2.5", "5.0", str(MAX_TURN_TOKENS + 1), str(2**64)]
+UNUSABLE_FIELDS = ([("arrival_s", v) for v in UNUSABLE_NUMBERS]
+                   + [(f, v) for f in ("prompt_tokens", "output_tokens") for v in UNUSABLE_COUNTS]
+                   + [("conversation", v) for v in ("1e400", "NaN", "-Infinity", "2.5")])
+
+
+@pytest.mark.parametrize(("field", "literal"), UNUSABLE_FIELDS,
+                         ids=[f"{f}={v[:12]}({len(v)})" for f, v in UNUSABLE_FIELDS])
+def test_a_trace_number_no_field_can_use_is_a_trace_error_naming_line_field_and_value(
+        tmp_path, field, literal):
+    """Never an OverflowError or ValueError (int() digit limit, float(huge int)), never a
+    value taken as given that the run cannot use."""
+    bad = _line(**{field: "@"}).replace('"@"', literal)
+    path = tmp_path / "t.jsonl"
+    path.write_text(f"# header\n{_line()}\n\n{bad}\n{_line()}\n")
+    with pytest.raises(TraceError) as info:
+        parse_trace(path)
+    message = str(info.value)
+    assert f"{path} line 4: {field} must be" in message and literal[:20] in message, message
+    assert len(message) < 300  # a 5,000-digit value is shortened
+
+
+def test_trace_edges_that_are_fine_stay_fine():
+    lines = [_line(arrival_s=0, prompt_tokens=MAX_TURN_TOKENS, output_tokens=0),
+             _line(arrival_s=1e300, conversation="x"),
+             _line(conversation="@").replace('"@"', "1" + "0" * 400)]
+    first, second, third = parse_trace_lines(lines)
+    assert first.turns[0].prompt_tokens == MAX_TURN_TOKENS
+    assert third.start_s == 1e300 and second.conversation_id == "1" + "0" * 400
+
+
+def test_a_trace_line_nested_too_deeply_is_a_trace_error():
+    with pytest.raises(TraceError, match="line 1: not a trace line"):
+        parse_trace_lines(["[" * 100_000 + "]" * 100_000])
+
+
 def test_missing_or_empty_trace_is_refused(tmp_path):
     with pytest.raises(TraceError, match="cannot read trace"):
         parse_trace(tmp_path / "absent.jsonl")
@@ -178,6 +221,29 @@ def test_workload_spec_spellings():
     for bad in ("trace:", "multi", ""):
         with pytest.raises(ValueError, match="not known"):
             WorkloadSpec.parse(bad)
+
+
+# --- the forward pass -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("compute_dim", "seed"), [(10**400, 0), (2**64, 0), (8, 2**64)],
+                         ids=["dim-beyond-a-float", "dim-beyond-int64", "seed-beyond-64-bits"])
+def test_a_forward_pass_that_cannot_set_up_reports_it_with_every_step(compute_dim, seed):
+    """Whatever its setup raises (here before any allocation: the scale of a dimension beyond
+    a float, a seed torch refuses), the thread lives on and fails each step, so the run can
+    stop; a thread that died there left the run waiting for ever."""
+    buffers = allocate_device_buffers(pool_geometries(2), 8, torch.device("cpu"))
+    results: queue.SimpleQueue = queue.SimpleQueue()
+    forward = ForwardPass(PagePatterns(buffers, seed=0), num_layers=2, compute_dim=compute_dim,
+                          post=lambda step, result: results.put(result), seed=seed)
+    forward.start()
+    try:
+        for _ in range(2):
+            forward.submit(Step((), (), ()))
+            error = results.get(timeout=BOUND_S).error
+            assert "could not set up its compute" in str(error), error
+    finally:
+        forward.stop()
 
 
 # --- the seeded arrival model ------------------------------------------------------------

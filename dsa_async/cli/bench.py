@@ -52,12 +52,6 @@ def _usage_error(message: str) -> int:
     return EXIT_USAGE
 
 
-def _check_output(path: Path | None, flag: str) -> str | None:
-    if path is not None and not path.parent.is_dir():
-        return f"{flag} {path}: directory {path.parent} does not exist"
-    return None
-
-
 def _figure_bytes(quick: bool) -> int:
     """Bytes per copy figure: 128 MiB, and in a full run at least the last-level cache too
     (large server caches hold 128 MiB, which flatters the contiguous reference)."""
@@ -75,10 +69,15 @@ def run(args: argparse.Namespace) -> int:
     from ..bench.plot import PlotUnavailable, plot_throughput, require_pyplot
     from ..bench.report import format_table, write_json
     from ..bench.runner import BenchConfig, run_bench_blocking
+    from ..errors import ConfigError
+    from ..workload.summary import check_writable_file
 
     for path, flag in ((args.json, "--json"), (args.plot, "--plot")):
-        if (problem := _check_output(path, flag)) is not None:
-            return _usage_error(problem)
+        try:  # refused now, not after minutes of measuring
+            if path is not None:
+                check_writable_file(path, flag)
+        except ConfigError as exc:
+            return _usage_error(str(exc))
     try:
         if args.plot is not None:
             require_pyplot()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,22 +22,36 @@ import uvloop
 
 from ..errors import ConfigError
 from ..kinds import Backend
+from ..workload.consumer import MAX_COMPUTE_DIM
 from ..workload.conversations import WorkloadSpec
+from ..workload.pagedata import MAX_SEED
 from ..workload.runner import DEFAULT_DEVICE_PAGES, ServeOptions, serve
 from .plan import host_pool_bytes
 
 MIN_DEVICE_PAGES = 8
 
 
-def _number(text: str, *, kind: type, low: float, inclusive: bool, what: str):
+#: Every integer option fits 64 bits: tensor sizes and indices are int64.
+INT64_MAX = 2**63 - 1
+
+
+def _number(text: str, *, kind: type, low: float, inclusive: bool, what: str,
+            high: int = INT64_MAX, why: str = "a count that fits 64 bits"):
+    quoted = repr(text) if len(text) <= 40 else f"{text[:20]!r}... ({len(text)} characters)"
     try:
         value = kind(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
-    if isinstance(value, float) and not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"{text!r} must be finite")
+        digits = re.fullmatch(r"\s*([+-]?)[0-9_]+\s*", text) if kind is int else None
+        if digits is None:
+            raise argparse.ArgumentTypeError(f"{quoted} is not {what}") from None
+        value = -math.inf if digits.group(1) == "-" else math.inf  # too many digits for int()
+    if isinstance(value, float) and kind is float and not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{quoted} must be finite")
     if value < low or (value == low and not inclusive):
-        raise argparse.ArgumentTypeError(f"{text!r} must be {'>=' if inclusive else '>'} {low:g}")
+        raise argparse.ArgumentTypeError(f"{quoted} must be {'>=' if inclusive else '>'} {low:g}")
+    if kind is int and value > high:
+        raise argparse.ArgumentTypeError(f"{quoted} is out of range: use {low:g} to {high} "
+                                         f"({why})")
     return value
 
 
@@ -52,20 +67,23 @@ def positive_int(text: str) -> int:
     return _number(text, kind=int, low=1, inclusive=True, what="an integer")
 
 
-def non_negative_int(text: str) -> int:
-    return _number(text, kind=int, low=0, inclusive=True, what="an integer")
+def seed(text: str) -> int:
+    return _number(text, kind=int, low=0, inclusive=True, what="an integer", high=MAX_SEED,
+                   why="a 64-bit seed, what torch's generator takes")
+
+
+def compute_dim(text: str) -> int:
+    return _number(text, kind=int, low=1, inclusive=True, what="an integer",
+                   high=MAX_COMPUTE_DIM, why="a [D, D] matrix: D x D elements must fit 64 bits")
 
 
 def port(text: str) -> int:
-    value = _number(text, kind=int, low=0, inclusive=True, what="a port number")
-    if value > 65535:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port (0..65535; 0 picks a free one)")
-    return value
+    return _number(text, kind=int, low=0, inclusive=True, what="a port number", high=65535,
+                   why="a TCP port; 0 picks a free one")
 
 
 def device_pages(text: str) -> int:
-    value = _number(text, kind=int, low=MIN_DEVICE_PAGES, inclusive=True, what="an integer")
-    return value
+    return _number(text, kind=int, low=MIN_DEVICE_PAGES, inclusive=True, what="an integer")
 
 
 def workload(text: str) -> WorkloadSpec:
@@ -104,15 +122,16 @@ def register(subparsers: Any) -> None:
                         metavar="multiturn|trace:PATH",
                         help="seeded multi-turn conversations (default), or replay a JSON-lines "
                              "trace of {arrival_s, conversation, prompt_tokens, output_tokens}")
-    parser.add_argument("--seed", type=non_negative_int, default=0, metavar="S",
-                        help="seed of the arrivals and the page contents (default %(default)s)")
+    parser.add_argument("--seed", type=seed, default=0, metavar="S",
+                        help=f"seed of the arrivals and the page contents, 0 to {MAX_SEED} "
+                             f"(default %(default)s)")
     parser.add_argument("--json-summary", type=Path, default=None, metavar="PATH",
                         help="also write the summary as JSON to PATH")
     parser.add_argument("--quiet", action="store_true",
                         help="no live status line or periodic status log")
     parser.add_argument("--arrival-rate", type=positive_float, default=4.0, metavar="R",
                         help="multiturn: new conversations per second (default %(default)s)")
-    parser.add_argument("--compute-dim", type=positive_int, default=256, metavar="D",
+    parser.add_argument("--compute-dim", type=compute_dim, default=256, metavar="D",
                         help="forward pass: a [D, D] matmul per layer (default %(default)s)")
     parser.set_defaults(func=run)
 

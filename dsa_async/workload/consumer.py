@@ -17,6 +17,7 @@ Results go back to the event loop through ``post`` (thread-safe); the loop owns 
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -30,6 +31,9 @@ from ..completion.transfer import Transfer
 from .pagedata import PagePatterns
 
 log = logging.getLogger(__name__)
+
+#: The largest ``compute_dim`` whose ``[D, D]`` matrix has a 64-bit element count (torch sizes).
+MAX_COMPUTE_DIM = math.isqrt(2**63 - 1)
 
 
 @dataclass(frozen=True)
@@ -101,10 +105,10 @@ class ForwardPass:
 
     def _run(self) -> None:
         device = self._patterns.device
-        gen = torch.Generator().manual_seed(self._seed)
-        scale = self._dim ** -0.5
         setup_error: BaseException | None = None
         try:  # a compute size that does not fit fails every step, reported to the loop
+            gen = torch.Generator().manual_seed(self._seed)
+            scale = self._dim ** -0.5
             weight = (torch.randn(self._dim, self._dim, generator=gen) * scale).to(device)
             state = torch.randn(self._dim, self._dim, generator=gen).to(device)
         except Exception as exc:  # noqa: BLE001 - reported with each step

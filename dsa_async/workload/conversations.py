@@ -11,8 +11,10 @@ When a turn may start:
 
 Trace format: JSON lines, one turn each, e.g.
 ``{"arrival_s": 0.25, "conversation": "c17", "prompt_tokens": 120, "output_tokens": 40}``.
-Blank lines and lines starting with ``#`` are skipped; anything else that is not such an object
-is refused with an error naming the file and the line number.
+``arrival_s`` is a finite number >= 0, ``conversation`` a str or an int, the token counts ints
+up to ``MAX_TURN_TOKENS`` (``prompt_tokens`` >= 1). Blank lines and lines starting with ``#``
+are skipped; anything else that is not such an object is refused with a ``TraceError`` naming
+the file, the line number, the field and the value.
 """
 
 from __future__ import annotations
@@ -121,15 +123,44 @@ class MultiTurnModel:
 
 # --- traces --------------------------------------------------------------------------------
 
-_FIELDS = {"arrival_s": (int, float), "conversation": (str, int), "prompt_tokens": (int,),
-           "output_tokens": (int,)}
+_FIELDS = ("arrival_s", "conversation", "output_tokens", "prompt_tokens")
+#: Most tokens one turn may name: far beyond any model's context; more is a corrupt line.
+MAX_TURN_TOKENS = 2**31 - 1
+_MAX_INT_DIGITS = 64  #: longer integer literals are kept as text (only an id may be one)
+
+
+class _Literal(str):
+    """A JSON number that is no usable number, kept as its text for the message: a float
+    beyond a float's range (``1e400``), ``NaN`` or ``Infinity``."""
+
+
+class _LongInt(_Literal):
+    """An integer literal longer than any number here (``int()`` refuses beyond 4,300
+    digits); only a conversation id may be one (kept as its text)."""
+
+
+def _parse_int(text: str) -> int | _LongInt:
+    return _LongInt(text) if len(text.lstrip("-")) > _MAX_INT_DIGITS else int(text)
+
+
+def _parse_float(text: str) -> float | _Literal:
+    value = float(text)
+    return value if math.isfinite(value) else _Literal(text)
+
+
+def _shown(value: object) -> str:
+    text = str(value) if isinstance(value, _Literal) else repr(value)
+    return text if len(text) <= 40 else f"{text[:20]}... ({len(text)} characters)"
 
 
 def _parse_line(text: str, where: str) -> tuple[float, str, int, int]:
     try:
-        record = json.loads(text)
+        record = json.loads(text, parse_int=_parse_int, parse_float=_parse_float,
+                            parse_constant=_Literal)
     except json.JSONDecodeError as exc:
         raise TraceError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+    except RecursionError:
+        raise TraceError(f"{where}: not a trace line (JSON nested too deeply)") from None
     if not isinstance(record, dict):
         raise TraceError(f"{where}: expected a JSON object with keys {sorted(_FIELDS)}, "
                          f"got {type(record).__name__}")
@@ -139,19 +170,22 @@ def _parse_line(text: str, where: str) -> tuple[float, str, int, int]:
         parts = ([f"missing {missing}"] if missing else []) + ([f"unknown {unknown}"] if unknown else [])
         raise TraceError(f"{where}: {' and '.join(parts)} keys; each line needs exactly "
                          f"{sorted(_FIELDS)}")
-    for key, types in _FIELDS.items():
-        value = record[key]
-        if isinstance(value, bool) or not isinstance(value, types):
-            raise TraceError(f"{where}: {key} must be {' or '.join(t.__name__ for t in types)}, "
-                             f"got {value!r}")
-    arrival = float(record["arrival_s"])
-    if not (math.isfinite(arrival) and arrival >= 0):
-        raise TraceError(f"{where}: arrival_s must be a finite number >= 0, got {record['arrival_s']!r}")
-    if record["prompt_tokens"] < 1:
-        raise TraceError(f"{where}: prompt_tokens must be >= 1, got {record['prompt_tokens']}")
-    if record["output_tokens"] < 0:
-        raise TraceError(f"{where}: output_tokens must be >= 0, got {record['output_tokens']}")
-    return arrival, str(record["conversation"]), record["prompt_tokens"], record["output_tokens"]
+    arrival, conversation = record["arrival_s"], record["conversation"]
+    prompt, output = record["prompt_tokens"], record["output_tokens"]
+    if (isinstance(conversation, bool) or not isinstance(conversation, (str, int))
+            or type(conversation) is _Literal):
+        raise TraceError(f"{where}: conversation must be str or int, got {_shown(conversation)}")
+    if (isinstance(arrival, bool) or not isinstance(arrival, (int, float))
+            or isinstance(arrival, _Literal) or not arrival >= 0):
+        raise TraceError(f"{where}: arrival_s must be a finite number >= 0 (seconds), "
+                         f"got {_shown(arrival)}")
+    for key, value, low in (("prompt_tokens", prompt, 1), ("output_tokens", output, 0)):
+        if not (isinstance(value, _LongInt) or type(value) is int):
+            raise TraceError(f"{where}: {key} must be int, got {_shown(value)}")
+        if isinstance(value, _LongInt) or not low <= value <= MAX_TURN_TOKENS:
+            raise TraceError(f"{where}: {key} must be >= {low} and <= {MAX_TURN_TOKENS:,}, "
+                             f"got {_shown(value)}")
+    return float(arrival), str(conversation), prompt, output
 
 
 def parse_trace_lines(lines: Iterator[str] | list[str], name: str = "trace") -> tuple[Conversation, ...]:

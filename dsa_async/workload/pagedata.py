@@ -23,6 +23,8 @@ import numpy as np
 import torch
 
 _WORD = 8  # bytes per int64 word
+#: The largest seed: ``torch.Generator.manual_seed`` takes 64 bits (numpy and ``random`` more).
+MAX_SEED = 2**64 - 1
 
 
 def splitmix64(values: np.ndarray) -> np.ndarray:

@@ -22,7 +22,7 @@ from typing import TextIO
 import psutil
 import torch
 
-from ..config import PoolSize, ServiceConfig
+from ..config import PoolSize, ServiceConfig, shown
 from ..errors import ConfigError
 from ..front_door.service import OffloadService
 from ..geometry import (
@@ -30,20 +30,23 @@ from ..geometry import (
     DSA_PAGE_SIZE_TOKENS,
     KvDtype,
     PageGeometry,
+    as_flag,
     dsa_indexer,
     mla_kv,
 )
+from ..host_memory.plan import human_bytes
 from ..kinds import Backend
 from ..observability.exposition import MetricsServer, start_metrics_server
 from ..transfer.base import resolve_backend
 from .arrivals import ArrivalDriver
+from .consumer import MAX_COMPUTE_DIM
 from .conversations import MultiTurnModel, WorkloadSpec, parse_trace
 from .counters import WorkloadCounters
 from .engine import EngineSettings, ServingEngine
-from .pagedata import PagePatterns
+from .pagedata import MAX_SEED, PagePatterns
 from .readings import ServiceReadings
 from .status import StatusReporter
-from .summary import ServeSummary
+from .summary import ServeSummary, check_writable_file
 
 log = logging.getLogger("dsa_async.serve")
 
@@ -70,22 +73,33 @@ class ServeOptions:
     compute_dim: int = 256
     max_conversations: int = 64
 
+    def __post_init__(self) -> None:
+        for name, low, high in (("seed", 0, MAX_SEED), ("compute_dim", 1, MAX_COMPUTE_DIM)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise ConfigError(f"ServeOptions.{name} must be an int from {low} to {high}, "
+                                  f"got {shown(value)}")
+        as_flag("ServeOptions.quiet", self.quiet)
+
 
 def pool_geometries(num_layers: int) -> tuple[PageGeometry, ...]:
     """The DSA indexer and the MLA KV cache (fp8), sharing one page table."""
     return (dsa_indexer(num_layers=num_layers), mla_kv(KvDtype.FP8, num_layers=num_layers))
 
 
-def _check_device_buffers_fit(options: ServeOptions) -> None:
-    """Refuse device buffers larger than the memory this machine has available (CPU backend:
-    they are ordinary host memory) before anything is allocated."""
+def _check_device_buffers_fit(options: ServeOptions, backend: Backend) -> None:
+    """Refuse device buffers larger than the memory available for them before anything is
+    allocated: free device memory (CUDA), else this machine's (they are host memory there)."""
     need = options.device_pages * sum(g.num_layers * g.bytes_per_page_per_layer
                                       for g in pool_geometries(options.num_layers))
-    available = psutil.virtual_memory().available
+    if backend is Backend.CUDA:
+        available, where = torch.cuda.mem_get_info()[0], "the CUDA device has"
+    else:
+        available, where = psutil.virtual_memory().available, "this machine has"
     if need > available:
         raise ConfigError(
-            f"--layers {options.num_layers} x --device-pages {options.device_pages} need "
-            f"{need / 1e9:.1f} GB of device buffers, and this machine has {available / 1e9:.1f} GB "
+            f"--layers {shown(options.num_layers)} x --device-pages {shown(options.device_pages)} "
+            f"need {human_bytes(need)} of device buffers, and {where} {human_bytes(available)} "
             f"available; lower --device-pages or --layers")
 
 
@@ -112,16 +126,9 @@ async def serve(options: ServeOptions, *, stdout: TextIO = sys.stdout) -> ServeS
     if backend is Backend.CUDA and not torch.cuda.is_available():
         raise ConfigError("--backend cuda needs a CUDA device and a CUDA build of torch; "
                           "none is available here: use --backend cpu (or auto)")
-    if options.json_summary is not None:
-        if not Path(options.json_summary).parent.is_dir():
-            raise ConfigError(f"--json-summary {str(options.json_summary)!r}: its directory does "
-                              f"not exist")
-        if Path(options.json_summary).is_dir():
-            raise ConfigError(f"--json-summary {str(options.json_summary)!r} is a directory; "
-                              f"give a file path (e.g. "
-                              f"{str(Path(options.json_summary) / 'summary.json')!r})")
-    if backend is not Backend.CUDA:  # the device buffers are host memory here
-        _check_device_buffers_fit(options)
+    if options.json_summary is not None:  # refused now, not after the whole run
+        check_writable_file(options.json_summary, "--json-summary")
+    _check_device_buffers_fit(options, backend)
     settings = EngineSettings.for_device(
         page_size_tokens=DSA_PAGE_SIZE_TOKENS,
         device_pages=options.device_pages, num_layers=options.num_layers,
