@@ -20,7 +20,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+import numpy as np
+
 from .errors import ConfigError
+from .numbers import check_fits_int64, shown
 
 DSA_PAGE_SIZE_TOKENS = 64
 DEEPSEEK_V32_LAYERS = 61
@@ -47,8 +50,16 @@ def _positive_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     if value <= 0:
-        raise ConfigError(f"{name} must be > 0, got {value}")
+        raise ConfigError(f"{name} must be > 0, got {shown(value)}")
+    check_fits_int64(name, value)
     return value
+
+
+def as_flag(name: str, value: object) -> bool:
+    """A yes/no argument: a bool (or numpy bool), never any truthy value (``'no'`` is truthy)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ConfigError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+    return bool(value)
 
 
 @dataclass(frozen=True)
@@ -130,7 +141,7 @@ def dsa_indexer(
     return PageGeometry(
         name=name,
         bytes_per_token_per_layer=per_token,
-        num_layers=_positive_int("num_layers", num_layers) + (1 if with_draft else 0),
+        num_layers=_positive_int("num_layers", num_layers) + as_flag("with_draft", with_draft),
         page_size_tokens=page_size_tokens,
         host_layout=host_layout,
     )
@@ -151,7 +162,7 @@ def mla_kv(
     return PageGeometry(
         name=name,
         bytes_per_token_per_layer=MLA_KV_BYTES_PER_TOKEN_PER_LAYER[dtype],
-        num_layers=_positive_int("num_layers", num_layers) + (1 if with_draft else 0),
+        num_layers=_positive_int("num_layers", num_layers) + as_flag("with_draft", with_draft),
         page_size_tokens=page_size_tokens,
         host_layout=host_layout,
     )

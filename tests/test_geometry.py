@@ -1,5 +1,6 @@
 import asyncio
 
+import numpy as np
 import pytest
 import uvloop
 
@@ -50,6 +51,32 @@ def test_bad_geometry_is_refused(kwargs):
 def test_unknown_model_is_refused_with_the_choices():
     with pytest.raises(ConfigError, match="deepseek-v3.2"):
         model_pools("llama")
+
+
+# Truthy or falsy but not a yes/no: 'no' is truthy, [] falsy, 2 and 1.0 numbers.
+NOT_A_FLAG = ["no", "yes", "", 0, 1, 2, 1.0, [1], [], None, np.int64(1), KvDtype.FP8]
+FLAG_TAKERS = {
+    "dsa_indexer": lambda flag: dsa_indexer(with_draft=flag),
+    "mla_kv": lambda flag: mla_kv(with_draft=flag),
+    "model_pools": lambda flag: model_pools("deepseek-v3.2", kv_dtype=KvDtype.FP8,
+                                            with_draft=flag),
+}
+
+
+@pytest.mark.parametrize("taker", FLAG_TAKERS)
+@pytest.mark.parametrize("bad", NOT_A_FLAG, ids=repr)
+def test_with_draft_takes_only_a_bool(taker, bad):
+    with pytest.raises(ConfigError, match="with_draft must be True or False, got"):
+        FLAG_TAKERS[taker](bad)
+
+
+@pytest.mark.parametrize("taker", FLAG_TAKERS)
+def test_with_draft_takes_python_and_numpy_bools(taker):
+    for flag, layers in ((True, 62), (np.True_, 62), (False, 61), (np.False_, 61)):
+        pools = FLAG_TAKERS[taker](flag)
+        pools = pools if isinstance(pools, tuple) else (pools,)
+        assert {type(g.num_layers) for g in pools} == {int}
+        assert {g.num_layers for g in pools} == {layers}
 
 
 def test_layouts_have_user_spellings():
