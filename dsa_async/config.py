@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from .errors import ConfigError
 from .geometry import PageGeometry, dsa_indexer
 from .kinds import Backend, parse_enum
+from .numbers import as_float, check_fits_int64, shown
 
 
 @dataclass(frozen=True)
@@ -32,8 +33,10 @@ class PoolSize:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise ConfigError(f"PoolSize.{name} must be an int, got {value!r}")
             if value is not None and value <= 0:
-                raise ConfigError(f"PoolSize.{name} must be > 0, got {value}; use auto to fit "
-                                  f"the pool into the budget")
+                raise ConfigError(f"PoolSize.{name} must be > 0, got {shown(value)}; use auto "
+                                  f"to fit the pool into the budget")
+            if value is not None:
+                check_fits_int64(f"PoolSize.{name}", value)
 
     @classmethod
     def auto(cls, max_pages: int | None = None) -> PoolSize:
@@ -48,23 +51,8 @@ def _check_int(name: str, value: object, low: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"ServiceConfig.{name} must be an int, got {value!r}")
     if value < low:
-        raise ConfigError(f"ServiceConfig.{name} must be >= {low}, got {value}")
-
-
-def as_float(value: int | float) -> float:
-    """``value`` as a float; an int too large for one reads as an infinity of its sign."""
-    try:
-        return float(value)
-    except OverflowError:  # Python ints have no bound, floats do
-        return math.inf if value > 0 else -math.inf
-
-
-def shown(value: int | float) -> str:
-    """``value`` for an error message: its repr, or for an int too large for a float its
-    length (hundreds of digits help nobody)."""
-    if isinstance(value, int) and not math.isfinite(as_float(value)):
-        return f"an int of {len(str(abs(value)))} digits"
-    return repr(value)
+        raise ConfigError(f"ServiceConfig.{name} must be >= {low}, got {shown(value)}")
+    check_fits_int64(f"ServiceConfig.{name}", value)
 
 
 def _check_seconds(name: str, value: object) -> None:

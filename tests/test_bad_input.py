@@ -16,7 +16,7 @@ import torch
 from fake_roots import GIB, make_root
 from service_fixtures import PAGE, make_service, tokens
 
-from dsa_async import Pages, Transfer
+from dsa_async import HostPages, PageGeometry, Pages, Transfer
 from dsa_async.cli import main as cli_main
 from dsa_async.config import PoolSize, ServiceConfig
 from dsa_async.errors import (
@@ -432,17 +432,19 @@ async def test_uint64_tokens_above_int64_are_reported_as_given(form, tmp_path):
         assert service.statistics() == before
 
 
-HUGE = 10**400  # an int no float or int64 holds
+#: Ints no float or int64 holds; the second is also beyond what ``str()`` converts (4,300
+#: digits), so even building a message that shows it as digits fails.
+HUGE_INTS = [pytest.param(sign * value, id=f"{'-' if sign < 0 else ''}{name}")
+             for name, value in (("1e400", 10**400), ("1e5000", 10**5000)) for sign in (1, -1)]
 
 
-@pytest.mark.parametrize("sign", [1, -1])
+@pytest.mark.parametrize("huge", HUGE_INTS)
 async def test_every_numeric_argument_takes_an_int_of_any_size_or_refuses_it_clearly(
-        tmp_path, sign):
+        tmp_path, huge):
     """Python ints have no bound: each numeric argument either accepts one far beyond a float
     or an int64 (a priority, a timeout that means no bound) or refuses it with the service's
-    own error, never a builtin ``OverflowError`` from deep inside, and a refusal changes
-    nothing."""
-    huge = sign * HUGE
+    own error, never a builtin ``OverflowError`` or ``ValueError`` from deep inside or from
+    the refusal's own message, and a refusal changes nothing."""
     service, _ = make_service(tmp_path, host_pages=HOST_PAGES, device_pages=DEVICE_PAGES)
     async with service, asyncio.timeout(BOUND_S):
         held = service.allocate_host_pages(2)
@@ -459,6 +461,7 @@ async def test_every_numeric_argument_takes_an_int_of_any_size_or_refuses_it_cle
             "token range": lambda: service.evict(range(huge, huge + 1)),
             "page": lambda: service.evict(Pages([huge])),
             "host token": lambda: service.evict(tokens([3]), host_tokens=range(huge, huge + PAGE)),
+            "forged handle": lambda: service.release(HostPages(((huge, 1),), huge, PAGE)),
         }
         for name, call in calls.items():
             before = service.statistics()
@@ -481,3 +484,41 @@ async def test_every_numeric_argument_takes_an_int_of_any_size_or_refuses_it_cle
 
         await asyncio.to_thread(from_a_thread)
         service.release(held)
+
+
+_SIZE_SETTINGS = {
+    "PoolSize.pages": lambda v: PoolSize(pages=v),
+    "PoolSize.bytes": lambda v: PoolSize(bytes=v),
+    "PoolSize.max_pages": lambda v: PoolSize(max_pages=v),
+    "ServiceConfig.max_inflight_bytes_d2h": lambda v: _config(max_inflight_bytes_d2h=v),
+    "ServiceConfig.max_inflight_bytes_h2d": lambda v: _config(max_inflight_bytes_h2d=v),
+    "ServiceConfig.max_queued_requests": lambda v: _config(max_queued_requests=v),
+    "ServiceConfig.reserve_bytes": lambda v: _config(reserve_bytes=v),
+    "ServiceConfig.device_staging_bytes": lambda v: _config(device_staging_bytes=v),
+    "num_layers": lambda v: dsa_indexer(num_layers=v),
+    "bytes_per_token_per_layer": lambda v: PageGeometry("g", v, 2),
+    "page_size_tokens": lambda v: PageGeometry("g", 132, 2, page_size_tokens=v),
+}
+
+
+@pytest.mark.parametrize("value", [2**63, *HUGE_INTS])
+@pytest.mark.parametrize("setting", list(_SIZE_SETTINGS))
+def test_size_settings_beyond_int64_are_refused_at_construction(setting, value):
+    """Sizes and counts are int64 in every tensor and page table: one beyond it (or below the
+    setting's minimum by any amount) is a ``ConfigError`` naming the setting, raised where the
+    configuration is built, never an error from a budget message or a tensor much later."""
+    with pytest.raises(ConfigError) as refused:
+        _SIZE_SETTINGS[setting](value)
+    message = str(refused.value)
+    assert setting in message, message
+    if value > 0:
+        assert "at most 9,223,372,036,854,775,807" in message, message
+    if abs(value) > 10**300:
+        assert "digits" in message and len(message) < 300, message
+
+
+def test_largest_int64_size_is_accepted():
+    """The bound is int64 itself, not below it: construction accepts 2**63 - 1 (the budget,
+    not the type, refuses a pool that large when the service starts)."""
+    assert PoolSize(pages=2**63 - 1).pages == 2**63 - 1
+    assert _config(max_queued_requests=2**63 - 1).max_queued_requests == 2**63 - 1

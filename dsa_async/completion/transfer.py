@@ -31,6 +31,7 @@ from ..errors import (
 )
 from ..host_memory.pool import HostPages
 from ..kinds import H2D, Direction, Timeliness
+from ..numbers import shown
 from ..scheduling.request import WAITER_LOCK, Request, report_unobserved
 from .result import TransferResult
 
@@ -269,15 +270,15 @@ class Transfer:
                                     "is an eviction: await it instead")
         layers = self._scheduler.num_layers
         if isinstance(layer, (bool, np.bool_)):
-            raise ArgumentTypeError(f"layer must be an int, got {layer!r}")
+            raise ArgumentTypeError(f"layer must be an int, got {shown(layer)}")
         try:
             index = operator.index(layer)
         except TypeError:
-            raise ArgumentTypeError(f"layer must be an int, got {layer!r} "
+            raise ArgumentTypeError(f"layer must be an int, got {shown(layer)} "
                                     f"({type(layer).__name__})") from None
         if not 0 <= index < layers:
-            raise ArgumentValueError(f"layer {index} is out of range: this service has {layers} "
-                                     f"layers (0..{layers - 1})")
+            raise ArgumentValueError(f"layer {shown(index)} is out of range: this service has "
+                                     f"{layers} layers (0..{layers - 1})")
         return index
 
     def _classify(self, layer: int, waited_s: float) -> None:
@@ -343,7 +344,8 @@ def _checked_timeout(timeout_s: object) -> float | None:
         return None
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
         raise ArgumentTypeError(f"timeout_s must be a number of seconds or None, got "
-                                f"{timeout_s!r} ({type(timeout_s).__name__})")
+                                f"{shown(timeout_s)} ({type(timeout_s).__name__})")
     if not timeout_s >= 0:  # negative, or NaN
-        raise ArgumentValueError(f"timeout_s must be >= 0 seconds or None, got {timeout_s!r}")
+        raise ArgumentValueError(f"timeout_s must be >= 0 seconds or None, got "
+                                 f"{shown(timeout_s)}")
     return None if timeout_s > threading.TIMEOUT_MAX else float(timeout_s)

@@ -649,12 +649,12 @@ class OffloadService:
             raise ArgumentTypeError(f"num_pages must be an int, got {num_pages!r} "
                                     f"({type(num_pages).__name__})")
         if num_pages <= 0:
-            raise ArgumentValueError(f"num_pages must be at least 1, got {num_pages}")
+            raise ArgumentValueError(f"num_pages must be at least 1, got {shown(num_pages)}")
         handle = self._pool.allocate(num_pages)
         if handle is None:
             stats = self._pool.statistics()
             raise HostPoolExhausted(
-                f"allocate_host_pages({num_pages}): needed {num_pages} pages, free "
+                f"allocate_host_pages({shown(num_pages)}): needed {shown(num_pages)} pages, free "
                 f"{stats.free_pages}, capacity {stats.capacity_pages}; release host pages or "
                 f"raise ServiceConfig.host_pool")
         self._scheduler.publish_state()

@@ -26,6 +26,7 @@ import torch
 
 from ..errors import ArgumentTypeError, PagesInFlightError, UnknownHostPagesError
 from ..geometry import HostLayout, PageGeometry
+from ..numbers import shown
 from ..paging.runs import PageSeq, page_tokens
 from .extents import ExtentAllocator
 
@@ -76,7 +77,7 @@ class HostPages:
         return torch.from_numpy(page_tokens(self.pages, self.page_size_tokens))
 
     def __repr__(self) -> str:
-        return f"HostPages(allocation={self.allocation_id}, pages={self.num_pages})"
+        return f"HostPages(allocation={shown(self.allocation_id)}, pages={shown(self.num_pages)})"
 
 
 class HostPool:

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from ..errors import IndexTypeError, IndexValueError, PageAlignmentError
+from ..numbers import shown
 from .runs import NO_PAGES, PageSeq, compact, count_distinct, distinct, is_run, unique_in_order
 
 #: An index argument: a 1-D integer CPU tensor, numpy array, sequence of ints, or range.
@@ -386,11 +387,13 @@ def _range_array(value: range, name: str, upper_bound: int | None, unit: str) ->
             at = min(([_first_above(value, _INT64_MAX)] if high > _INT64_MAX else [])
                      + ([_first_below(value, _INT64_MIN)] if low < _INT64_MIN else []))
             if value[at] < 0:
-                raise IndexValueError(f"{name}[{at}] = {value[at]} is negative; indices start at 0")
+                raise IndexValueError(
+                    f"{name}[{at}] = {shown(value[at])} is negative; indices start at 0")
             raise _out_of_range(name, at, value[at], upper_bound, unit)
         if low < 0:
             at = _first_below(value, 0)
-            raise IndexValueError(f"{name}[{at}] = {value[at]} is negative; indices start at 0")
+            raise IndexValueError(
+                f"{name}[{at}] = {shown(value[at])} is negative; indices start at 0")
         if upper_bound is not None and high >= upper_bound:
             at = _first_above(value, upper_bound - 1)
             raise _out_of_range(name, at, value[at], upper_bound, unit)
@@ -432,7 +435,8 @@ def _sequence_array(value: Sequence, name: str, upper_bound: int | None,
             raise
         if int(value[at]) < 0:
             raise IndexValueError(
-                f"{name}[{at}] = {int(value[at])} is negative; indices start at 0") from None
+                f"{name}[{at}] = {shown(int(value[at]))} is negative; indices start at 0"
+            ) from None
         raise _out_of_range(name, at, int(value[at]), upper_bound, unit) from None
     except (TypeError, ValueError) as exc:
         _raise_if_not_ints(value, name)  # names the first element that is not an int
@@ -456,9 +460,10 @@ def _out_of_range(name: str, at: int, value: int, upper_bound: int | None,
                   unit: str) -> IndexValueError:
     if upper_bound is None:
         return IndexValueError(
-            f"{name}[{at}] = {value} is out of range: indices are int64 (at most {_INT64_MAX})")
+            f"{name}[{at}] = {shown(value)} is out of range: indices are int64 (at most "
+            f"{_INT64_MAX})")
     return IndexValueError(
-        f"{name}[{at}] = {value} is out of range: this side holds {upper_bound} {unit} "
+        f"{name}[{at}] = {shown(value)} is out of range: this side holds {upper_bound} {unit} "
         f"(valid 0..{upper_bound - 1})"
     )
 
