@@ -205,6 +205,108 @@ async def test_the_queue_bound_counts_what_threads_handed_over(tmp_path):
             service.release((await transfer).host_pages)
 
 
+async def test_the_queue_bound_does_not_count_releases_handed_over(tmp_path):
+    """Host-page releases a thread posted are not requests: a thread that released pages
+    while the loop was busy can still queue as many requests as the bound allows."""
+    service, _ = make_service(tmp_path, layers=LAYERS, host_pages=16, device_pages=8,
+                              max_queued_requests=3)
+    async with service, asyncio.timeout(BOUND_S):
+        handles = [service.allocate_host_pages(1) for _ in range(4)]
+
+        def release_then_submit():
+            for handle in handles:
+                service.release_threadsafe(handle)
+            transfers = [service.evict_threadsafe(tokens([i])) for i in range(3)]
+            with pytest.raises(QueueFullError):
+                service.evict_threadsafe(tokens([3]))
+            return transfers
+
+        transfers = while_the_loop_is_blocked(release_then_submit)
+        for transfer in transfers:
+            service.release((await transfer).host_pages)
+        assert service.statistics().free_pages == 16
+
+
+@pytest.mark.parametrize("threads", [2, 8])
+async def test_threads_posting_at_once_never_pass_the_queue_bound_together(tmp_path, threads):
+    """The bound is checked as a request is posted, under the posters' lock: of many threads
+    released at once, exactly as many requests get in as the bound leaves room for, and the
+    rest raise QueueFullError in their own threads. (An asyncio.Event producer keeps each
+    request in the queue until it is set.)"""
+    bound, per_thread = 4, 3
+    service, _ = make_service(tmp_path, layers=LAYERS, host_pages=64, device_pages=32,
+                              max_queued_requests=bound)
+    gate = asyncio.Event()
+    async with service, asyncio.timeout(BOUND_S):
+        def race():
+            start = threading.Barrier(threads)
+            results: list = []
+
+            def poster(index: int) -> None:
+                start.wait()
+                for i in range(per_thread):
+                    try:
+                        results.append(service.evict_threadsafe(
+                            tokens([index * per_thread + i]), after=gate))
+                    except QueueFullError:
+                        results.append(None)
+
+            workers = [threading.Thread(target=poster, args=(i,)) for i in range(threads)]
+            for worker in workers:
+                worker.start()
+            for worker in workers:
+                worker.join(BOUND_S)
+            return results
+
+        results = while_the_loop_is_blocked(race)
+        accepted = [t for t in results if t is not None]
+        assert len(results) == threads * per_thread
+        assert len(accepted) == min(bound, threads * per_thread)
+        await asyncio.sleep(0)  # the loop takes what was posted
+        assert service.statistics().queued_requests == len(accepted)
+        gate.set()
+        for transfer in accepted:
+            service.release((await transfer).host_pages)
+
+
+async def test_loop_and_thread_submissions_share_one_queue_bound(tmp_path):
+    """Requests from the loop and from threads, submitted at the same time until refused,
+    never hold more than the bound in the queue, and every refusal is QueueFullError. (An
+    asyncio.Event producer keeps each request in the queue until it is set.)"""
+    bound = 16
+    service, _ = make_service(tmp_path, layers=LAYERS, host_pages=256, device_pages=128,
+                              max_queued_requests=bound)
+    gate = asyncio.Event()
+    async with service, asyncio.timeout(BOUND_S):
+        accepted, peak = [], 0
+        stop = threading.Event()
+
+        def thread_poster(first_page: int) -> None:
+            while not stop.is_set():
+                try:
+                    accepted.append(service.evict_threadsafe(tokens([first_page]), after=gate))
+                except QueueFullError:
+                    pass
+
+        posters = [on_plain_thread(lambda p=p: thread_poster(64 + p)) for p in range(2)]
+        for round_ in range(200):
+            try:
+                accepted.append(service.evict(tokens([round_ % 64]), after=gate))
+            except QueueFullError:
+                pass
+            peak = max(peak, service.statistics().queued_requests)
+            await asyncio.sleep(0)
+        stop.set()
+        for poster in posters:
+            await asyncio.wrap_future(poster)
+        await asyncio.sleep(0)
+        peak = max(peak, service.statistics().queued_requests)
+        assert peak == bound and len(accepted) == bound
+        gate.set()
+        for transfer in accepted:
+            service.release((await transfer).host_pages)
+
+
 @pytest.mark.parametrize("held_by", ["loop-producer", "thread-producer"])
 @pytest.mark.parametrize("call", ["wait", "wait_layer"])
 @pytest.mark.parametrize("caller", ["this-loop", "another-loop"])

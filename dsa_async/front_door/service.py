@@ -43,7 +43,6 @@ from ..errors import (
     HostPoolExhausted,
     IndexTypeError,
     IndexValueError,
-    QueueFullError,
     ServiceClosedError,
     UnknownHostPagesError,
 )
@@ -133,7 +132,6 @@ class OffloadService:
         self._buffers = buffers
         self._fault_hook = fault_hook
         self._engine_factory = engine_factory  # None: the backend's engine
-        self._max_queued_requests = config.max_queued_requests
         self._state = ServiceState.NEW
         self._closed = asyncio.Event()
         self._start_ended = asyncio.Event()  # start() returned or raised
@@ -217,7 +215,9 @@ class OffloadService:
                                        is not TransferEngine.defers_indices)
         self._scheduler = Scheduler(config, self._pool, self._engine, self.metrics, loop,
                                     self._pressure)
-        self._inbox = ThreadInbox(loop, self._accept_posted, self._take_posted_release)
+        scheduler = self._scheduler
+        self._inbox = ThreadInbox(loop, self._accept_posted, self._take_posted_release,
+                                  lambda: scheduler.queued_requests, config.max_queued_requests)
         self._lag_monitor = EventLoopLagMonitor(self.metrics.observe_loop_lag)
         self._lag_monitor.start()
         self._scheduler.publish_state(now=True)
@@ -335,9 +335,13 @@ class OffloadService:
         producer in ``after`` (producers.py). Loop thread; does not block.
         """
         scheduler = self._running()
-        transfer, loop_producers = self._prepare_evict(
-            scheduler, device_tokens, host_tokens, after, priority, self._captured, on_loop=True)
-        self._accept_on_loop(scheduler, transfer._request, loop_producers)
+        try:
+            transfer, loop_producers = self._prepare_evict(
+                scheduler, device_tokens, host_tokens, after, priority, self._captured,
+                on_loop=True)
+            self._accept_on_loop(scheduler, transfer._request, loop_producers)
+        finally:
+            self._inbox.end_loop_admission()
         return transfer
 
     def prefetch(self, host: HostPages | None, device_tokens, *, host_tokens=None, after=None,
@@ -352,10 +356,13 @@ class OffloadService:
         earlier deadlines, then larger ``priority``, go first. Loop thread; does not block.
         """
         scheduler = self._running()
-        transfer, loop_producers = self._prepare_prefetch(
-            scheduler, host, device_tokens, host_tokens, after, deadline_s, priority,
-            self._captured, on_loop=True)
-        self._accept_on_loop(scheduler, transfer._request, loop_producers)
+        try:
+            transfer, loop_producers = self._prepare_prefetch(
+                scheduler, host, device_tokens, host_tokens, after, deadline_s, priority,
+                self._captured, on_loop=True)
+            self._accept_on_loop(scheduler, transfer._request, loop_producers)
+        finally:
+            self._inbox.end_loop_admission()
         return transfer
 
     # --- requests from threads without an event loop --------------------------------------
@@ -575,13 +582,10 @@ class OffloadService:
         if type(priority) is not int and (isinstance(priority, bool)
                                           or not isinstance(priority, int)):
             raise ArgumentTypeError(f"priority must be an int, got {priority!r}")
-        queued = scheduler.queued_requests if on_loop else (
-            scheduler.queued_requests + len(self._inbox))  # what threads posted counts too
-        if queued >= self._max_queued_requests:
-            raise QueueFullError(
-                f"{queued} requests are queued, the bound "
-                f"(ServiceConfig.max_queued_requests) is {self.config.max_queued_requests}; "
-                f"await earlier transfers before submitting more, or raise the bound")
+        if on_loop:  # the queue bound: counted with what threads posted (thread_submit.py)
+            self._inbox.admit_on_loop()
+        else:  # refused early here; checked again as it is posted
+            self._inbox.check_room()
         engine = self._engine
         if engine is None:  # a thread that raced close()
             raise ServiceClosedError("the service is closing or closed")

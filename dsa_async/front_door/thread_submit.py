@@ -15,6 +15,12 @@ afterwards (``call_soon_threadsafe``, a finished ``asyncio.to_thread`` or execut
 
 Once :meth:`ThreadInbox.close` ran (the service is closing), ``post`` raises
 ``ServiceClosedError`` in the posting thread; what was posted before was taken by ``close``.
+
+The queue bound (``ServiceConfig.max_queued_requests``) counts queued requests, requests posted
+and not taken yet, and a loop submission being admitted; it is checked under the posters' lock
+by threads (as they post) and by the loop (as it submits), so concurrent submitters never pass
+it together. The loop updates its side without the lock, in an order that lets a concurrent
+reader count a request twice for a moment (a refusal at most one early), never miss one.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import enum
 import threading
 from collections.abc import Callable
 
-from ..errors import ServiceClosedError, UnknownHostPagesError
+from ..errors import QueueFullError, ServiceClosedError, UnknownHostPagesError
 from ..host_memory.pool import HostPages
 from ..scheduling.request import Request
 
@@ -62,8 +68,14 @@ class ThreadInbox:
 
     def __init__(self, loop: asyncio.AbstractEventLoop,
                  accept: Callable[[PostedRequest], None],
-                 take_release: Callable[[HostPages], None]) -> None:
+                 take_release: Callable[[HostPages], None],
+                 queued_requests: Callable[[], int] = lambda: 0,
+                 max_queued_requests: int | None = None) -> None:
+        """``queued_requests()``: the loop's queued requests (read from any thread);
+        ``max_queued_requests``: the queue bound (None: no bound)."""
         self._loop = loop
+        self._queued_requests = queued_requests
+        self._max_queued_requests = max_queued_requests
         self._accept = accept
         self._take_release = take_release
         self._items: collections.deque[PostedRequest | HostPages] = collections.deque()
@@ -71,19 +83,57 @@ class ThreadInbox:
         self._scheduled = False  # a drain is in the loop's ready queue
         self._closed = False
         self._releasing: set[int] = set()  # allocation ids posted for release, not taken yet
+        # Requests posted (threads, under the lock) and taken (the loop, after accepting each):
+        # two counters that only grow, each with one kind of writer, so no update is lost.
+        self._posted_requests = 0
+        self._taken_requests = 0
+        self._loop_admitting = False  #: a loop submission passed the bound and is being queued
         #: ``call_soon_threadsafe`` wake-ups used so far (one per batch; tests and the bench)
         self.wakeups = 0
 
     def __len__(self) -> int:
         return len(self._items)
 
+    def requests_waiting(self) -> int:
+        """Requests that count against the queue bound: the loop's queued requests plus those
+        posted and not taken yet plus a loop submission being admitted. Any thread, without
+        the lock: may count one twice for a moment, never misses one (the loop counts each in
+        its queues before it stops counting it here, and this reads here first)."""
+        admitting = self._loop_admitting
+        taken = self._taken_requests
+        return self._queued_requests() + self._posted_requests - taken + admitting
+
     # --- any thread -----------------------------------------------------------------------
 
+    def check_room(self) -> None:
+        """Raise ``QueueFullError`` if the queue bound is reached now (see :func:`queue_full`).
+        Any thread, without the lock: an early refusal, before a thread prepares a request;
+        :meth:`post` checks again under the lock."""
+        bound = self._max_queued_requests
+        if bound is not None and (waiting := self.requests_waiting()) >= bound:
+            raise queue_full(waiting, bound)
+
     def post(self, posted: PostedRequest) -> None:
-        """Hand ``posted`` to the loop. Never blocks (a short lock); raises
-        ``ServiceClosedError`` once the inbox is closed, handing nothing over."""
+        """Hand ``posted`` to the loop unless the queue bound is reached (``QueueFullError``).
+        Never blocks (a short lock); raises ``ServiceClosedError`` once the inbox is closed.
+        Either way a refusal hands nothing over."""
         with self._lock:
+            self.check_room()
             self._append(posted)
+            self._posted_requests += 1
+
+    def admit_on_loop(self) -> None:
+        """The loop's bound check for a submission of its own: raises ``QueueFullError``, or
+        marks the submission as being admitted (posting threads count it) until
+        :meth:`end_loop_admission`. Loop thread; a short lock."""
+        with self._lock:
+            self.check_room()
+            self._loop_admitting = True
+
+    def end_loop_admission(self) -> None:
+        """The loop submission marked by :meth:`admit_on_loop` is queued (or ended, or was
+        refused). Loop thread."""
+        self._loop_admitting = False
 
     def post_release(self, handle: HostPages, check: Callable[[HostPages], None]) -> None:
         """Hand the release of ``handle`` to the loop, after ``check(handle)`` (which raises
@@ -157,7 +207,10 @@ class ThreadInbox:
             item = items.popleft()
             try:
                 if type(item) is PostedRequest:
-                    self._accept(item)
+                    try:
+                        self._accept(item)
+                    finally:  # after accepting it: see requests_waiting
+                        self._taken_requests += 1
                 else:
                     try:
                         self._take_release(item)
@@ -174,3 +227,10 @@ class ThreadInbox:
         with self._lock:
             self._closed = True
         self.drain()
+
+
+def queue_full(waiting: int, max_queued_requests: int) -> QueueFullError:
+    return QueueFullError(
+        f"{waiting} requests are queued (or handed over from threads and not taken yet); the "
+        f"bound (ServiceConfig.max_queued_requests) is {max_queued_requests}: await earlier "
+        f"transfers before submitting more, or raise the bound")
