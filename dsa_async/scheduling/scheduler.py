@@ -679,9 +679,16 @@ class Scheduler:
                 self.finish(request, FAILED, error=ServiceClosedError(
                     f"the service closed before the engine reported this {direction.value} "
                     f"copy of {request.num_pages} pages (the engine failed or hung)"))
+        self._cancel_queued()
+
+    def _cancel_queued(self) -> None:
+        """End every queued request, cancelled. Each queue is emptied first, so that ending a
+        request does not copy the rest of its queue: O(queue), not O(queue ** 2)."""
         for direction in Direction:
-            for request in list(self.queues[direction]):
-                self.finish(request, CANCELLED)
+            queued, self.queues[direction] = self.queues[direction], []
+            for request in queued:
+                if request.state is QUEUED:
+                    self.finish(request, CANCELLED)
 
     def detach(self) -> None:
         """After close: stop timers, zero the state gauges (the pool is gone) and drop the pool
@@ -708,9 +715,7 @@ class Scheduler:
                 self.finish(request, CANCELLED)
         self.schedule_flush()
         if not await self._idle_within(timeout_s):
-            for direction in Direction:
-                for request in list(self.queues[direction]):
-                    self.finish(request, CANCELLED)
+            self._cancel_queued()
             if not await self._idle_within(timeout_s):
                 log.error("close(): %d requests still wait for a producer or dependency after "
                           "%.3g s; abandoning them", self.inflight_requests, 2 * timeout_s)
