@@ -7,10 +7,9 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .errors import ConfigError
+from .errors import ConfigError, as_float, check_fits_int64, shown
 from .geometry import PageGeometry, dsa_indexer
 from .kinds import Backend, parse_enum
-from .numbers import as_float, check_fits_int64, shown
 
 
 @dataclass(frozen=True)

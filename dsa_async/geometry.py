@@ -22,8 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import ConfigError
-from .numbers import check_fits_int64, shown
+from .errors import ConfigError, check_fits_int64, shown
 
 DSA_PAGE_SIZE_TOKENS = 64
 DEEPSEEK_V32_LAYERS = 61

@@ -190,6 +190,42 @@ def test_every_thread_entry_point_refuses_once_the_services_loop_is_closed(tmp_p
             pytest.fail(f"{name} did not refuse")
 
 
+async def test_loop_only_calls_from_another_thread_are_refused(tmp_path):
+    """Every call that changes the loop's state without a lock refuses, on any other thread,
+    with WrongThreadError naming the call and the thread-safe way, and changes nothing."""
+    service, _ = make_service(tmp_path, layers=LAYERS, host_pages=16, device_pages=8)
+    async with service, asyncio.timeout(BOUND_S):
+        held = service.allocate_host_pages(2)
+        gate = asyncio.Event()
+        queued = service.prefetch(held, tokens([0, 1]), after=gate)
+        calls = {
+            "evict()": (lambda: service.evict(tokens([2])), "evict_threadsafe"),
+            "prefetch()": (lambda: service.prefetch(held, tokens([2, 3])), "prefetch_threadsafe"),
+            "release()": (lambda: service.release(held), "release_threadsafe"),
+            "allocate_host_pages()": (lambda: service.allocate_host_pages(1), "call_threadsafe"),
+            "Transfer.cancel()": (queued.cancel, "call_threadsafe"),
+            "Transfer.add_done_callback()": (lambda: queued.add_done_callback(print),
+                                             "call_threadsafe"),
+        }
+        before = service.statistics()
+
+        def from_a_thread() -> list[str]:
+            messages = []
+            for name, (call, instead) in calls.items():
+                with pytest.raises(WrongThreadError) as refused:
+                    call()
+                message = str(refused.value)
+                assert name in message and instead in message, message
+                messages.append(message)
+            return messages
+
+        assert len(await in_thread(from_a_thread)) == len(calls)
+        assert service.statistics() == before and not queued.done()
+        gate.set()
+        await queued
+        service.release(held)
+
+
 async def test_the_queue_bound_counts_what_threads_handed_over(tmp_path):
     service, _ = make_service(tmp_path, layers=LAYERS, host_pages=16, device_pages=8,
                               max_queued_requests=3)

@@ -28,10 +28,10 @@ from ..errors import (
     ServiceClosedError,
     TransferFailedError,
     WrongThreadError,
+    shown,
 )
 from ..host_memory.pool import HostPages
 from ..kinds import H2D, Direction, Timeliness
-from ..numbers import shown
 from ..scheduling.request import WAITER_LOCK, Request, report_unobserved
 from .result import TransferResult
 
@@ -45,6 +45,8 @@ class Owner(Protocol):
     num_layers: int
 
     def cancel(self, request: Request) -> bool: ...
+
+    def check_loop_thread(self, call: str, instead: str) -> None: ...
 
     def layer_future(self, request: Request, layer: int) -> asyncio.Future: ...
 
@@ -102,11 +104,21 @@ class Transfer:
     def cancel(self) -> bool:
         """Cancel the request. Before its copy starts it is removed and its reservations return
         at once; after that the copy completes first (data is never torn), then they return.
-        Returns ``False`` if it already finished. Loop thread only; does not block."""
-        return self._scheduler.cancel(self._request)
+        Returns ``False`` if it already finished. Loop thread only (``WrongThreadError``
+        elsewhere: a thread calls it through ``service.call_threadsafe(transfer.cancel)``);
+        does not block."""
+        scheduler = self._scheduler
+        scheduler.check_loop_thread("Transfer.cancel()",
+                                    "call it through service.call_threadsafe(transfer.cancel)")
+        return scheduler.cancel(self._request)
 
     def add_done_callback(self, fn: Callable[[Transfer], None]) -> None:
-        """Call ``fn(self)`` on the loop when the request ends (done, failed or cancelled)."""
+        """Call ``fn(self)`` on the loop when the request ends (done, failed or cancelled).
+        Loop thread only (``WrongThreadError`` elsewhere)."""
+        self._scheduler.check_loop_thread(
+            "Transfer.add_done_callback()",
+            "call it through service.call_threadsafe(transfer.add_done_callback, fn), or "
+            "wait with Transfer.wait()")
         self._request.observed = True  # the callback sees the outcome
         self._request.future.add_done_callback(lambda _f: fn(self))
 

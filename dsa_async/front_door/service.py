@@ -323,6 +323,12 @@ class OffloadService:
                 f"(await service.start() or use 'async with service')")
         return self._scheduler
 
+    def _running_here(self, call: str, instead: str) -> Scheduler:
+        """:meth:`_running`, on the loop's thread only (``WrongThreadError`` elsewhere)."""
+        scheduler = self._running()
+        scheduler.check_loop_thread(call, instead)
+        return scheduler
+
     # --- requests -------------------------------------------------------------------------
 
     def evict(self, device_tokens, *, host_tokens=None, after=None, priority: int = 0) -> Transfer:
@@ -334,7 +340,7 @@ class OffloadService:
         the calling thread's work so far (CUDA: its current stream, captured here) and for every
         producer in ``after`` (producers.py). Loop thread; does not block.
         """
-        scheduler = self._running()
+        scheduler = self._running_here("evict()", "use evict_threadsafe() there")
         try:
             transfer, loop_producers = self._prepare_evict(
                 scheduler, device_tokens, host_tokens, after, priority, self._captured,
@@ -355,7 +361,7 @@ class OffloadService:
         every producer in ``after``. ``deadline_s``: seconds from now on the loop's clock;
         earlier deadlines, then larger ``priority``, go first. Loop thread; does not block.
         """
-        scheduler = self._running()
+        scheduler = self._running_here("prefetch()", "use prefetch_threadsafe() there")
         try:
             transfer, loop_producers = self._prepare_prefetch(
                 scheduler, host, device_tokens, host_tokens, after, deadline_s, priority,
@@ -640,15 +646,19 @@ class OffloadService:
 
     def release(self, host: HostPages) -> None:
         """Return host pages to the pool now. Raises ``PagesInFlightError`` (changing nothing)
-        while a copy reads or writes them, ``UnknownHostPagesError`` for a stale handle."""
-        scheduler = self._running()
+        while a copy reads or writes them, ``UnknownHostPagesError`` for a stale handle. Loop
+        thread (``WrongThreadError`` elsewhere: threads use :meth:`release_threadsafe`)."""
+        scheduler = self._running_here("release()", "use release_threadsafe() there")
         _check_handle(host)
         self._inbox.release_here(host, scheduler.release_host)  # or a thread's release won
         scheduler.schedule_flush()  # evictions waiting for space may go now; gauges follow
 
     def allocate_host_pages(self, num_pages: int) -> HostPages:
-        """Take ``num_pages`` host pages for callers that manage host slots themselves."""
-        self._running()
+        """Take ``num_pages`` host pages for callers that manage host slots themselves. Loop
+        thread (``WrongThreadError`` elsewhere: a thread calls it through
+        :meth:`call_threadsafe`)."""
+        self._running_here("allocate_host_pages()",
+                           "call it through call_threadsafe(service.allocate_host_pages, n)")
         if isinstance(num_pages, bool) or not isinstance(num_pages, int):
             raise ArgumentTypeError(f"num_pages must be an int, got {num_pages!r} "
                                     f"({type(num_pages).__name__})")

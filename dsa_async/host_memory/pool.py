@@ -24,9 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..errors import ArgumentTypeError, PagesInFlightError, UnknownHostPagesError
+from ..errors import ArgumentTypeError, PagesInFlightError, UnknownHostPagesError, shown
 from ..geometry import HostLayout, PageGeometry
-from ..numbers import shown
 from ..paging.runs import PageSeq, page_tokens
 from .extents import ExtentAllocator
 

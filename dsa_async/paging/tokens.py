@@ -35,8 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..errors import IndexTypeError, IndexValueError, PageAlignmentError
-from ..numbers import shown
+from ..errors import IndexTypeError, IndexValueError, PageAlignmentError, shown
 from .runs import NO_PAGES, PageSeq, compact, count_distinct, distinct, is_run, unique_in_order
 
 #: An index argument: a 1-D integer CPU tensor, numpy array, sequence of ints, or range.

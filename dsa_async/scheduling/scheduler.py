@@ -15,6 +15,7 @@ import asyncio
 import inspect
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable
 
@@ -26,6 +27,7 @@ from ..errors import (
     ServiceClosedError,
     TransferFailedError,
     UnknownHostPagesError,
+    WrongThreadError,
 )
 from ..host_memory.pool import HostPages, HostPool
 from ..kinds import CANCELLED, D2H, DONE, FAILED, H2D, Direction, Outcome, Timeliness
@@ -63,6 +65,8 @@ class Scheduler:
         self.engine = engine
         self.metrics = metrics
         self.loop = loop
+        #: the loop's thread (made there): loop-only calls from another thread are refused
+        self.loop_thread_id = threading.get_ident()
         self.on_host_pressure = on_host_pressure
         self.num_layers = config.num_layers
         self.bytes_per_page = pool.bytes_per_page
@@ -501,6 +505,14 @@ class Scheduler:
         self.pool.check_owned(handle)
 
     # --- cancellation ---------------------------------------------------------------------
+
+    def check_loop_thread(self, call: str, instead: str) -> None:
+        """Raise ``WrongThreadError`` unless this is the loop's thread: ``call`` changes loop
+        state without a lock; ``instead`` says what a thread uses."""
+        if threading.get_ident() != self.loop_thread_id:
+            raise WrongThreadError(
+                f"{call} runs on the service's event loop thread only, and was called from "
+                f"thread {threading.current_thread().name!r}; {instead}")
 
     def cancel(self, request: Request) -> bool:
         if request.state is FINISHED:
