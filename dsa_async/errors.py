@@ -11,6 +11,8 @@ what was wrong, the values involved, and what to change; values a caller passed 
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 
 
 class DsaAsyncError(Exception):
@@ -143,3 +145,24 @@ def check_fits_int64(name: str, value: int) -> None:
     if value > INT64_MAX:
         raise ConfigError(f"{name} must be at most {INT64_MAX:,} (it is a size or count, "
                           f"held as int64), got {shown(value)}")
+
+
+# --- scalar arguments ---------------------------------------------------------------------------
+
+
+def int_argument(name: str, value: object) -> int:
+    """``value`` as an int: any integer type (``int``, a numpy integer: what
+    ``operator.index`` takes) but a bool; else ``ArgumentTypeError`` naming ``name``."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise ArgumentTypeError(f"{name} must be an int, got {shown(value)} "
+                            f"({type(value).__name__})")
+
+
+def is_real_number(value: object) -> bool:
+    """Whether ``value`` is a real number a caller may give for seconds: an int or float of
+    any kind (numpy's included), never a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)

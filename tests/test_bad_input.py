@@ -522,3 +522,46 @@ def test_largest_int64_size_is_accepted():
     not the type, refuses a pool that large when the service starts)."""
     assert PoolSize(pages=2**63 - 1).pages == 2**63 - 1
     assert _config(max_queued_requests=2**63 - 1).max_queued_requests == 2**63 - 1
+
+
+_INT_KINDS = [pytest.param(lambda v: v, id="int"), pytest.param(np.int64, id="np.int64"),
+              pytest.param(np.int32, id="np.int32"), pytest.param(np.uint8, id="np.uint8")]
+_NOT_INTS = [pytest.param(True, id="bool"), pytest.param(np.True_, id="np.bool_"),
+             pytest.param(2.0, id="float"), pytest.param(np.float32(2), id="np.float32"),
+             pytest.param("2", id="str")]
+
+
+@pytest.mark.parametrize("kind", _INT_KINDS)
+async def test_int_and_seconds_arguments_take_every_integer_and_real_type_alike(tmp_path, kind):
+    """Every int argument (priority, num_pages, layer) takes any integer type as the same
+    int, and every seconds argument (deadline_s, timeout_s) any real number type, numpy's
+    included: a caller's numpy scalar is never refused in one place and taken in another."""
+    service, _ = make_service(tmp_path, host_pages=HOST_PAGES, device_pages=DEVICE_PAGES)
+    async with service, asyncio.timeout(BOUND_S):
+        held = service.allocate_host_pages(kind(2))
+        assert held.num_pages == 2
+        load = service.prefetch(held, tokens([0, 1]), priority=kind(3), deadline_s=kind(5))
+        await load
+        load.wait_layer(kind(1), timeout_s=kind(1))
+        assert (await asyncio.to_thread(load.wait, kind(1))).pages == 2
+        assert (await asyncio.to_thread(load.wait, np.float32(0.5))).pages == 2
+        service.release(held)
+
+
+@pytest.mark.parametrize("value", _NOT_INTS)
+async def test_int_arguments_refuse_every_non_integer_alike(tmp_path, value):
+    """A bool (Python's or numpy's), a float or a string is refused by every int argument with
+    ArgumentTypeError naming the argument, and changes nothing."""
+    service, _ = make_service(tmp_path, host_pages=HOST_PAGES, device_pages=DEVICE_PAGES)
+    async with service, asyncio.timeout(BOUND_S):
+        held = service.allocate_host_pages(2)
+        load = service.prefetch(held, tokens([0, 1]))
+        await load
+        before = service.statistics()
+        for name, call in {"num_pages": lambda: service.allocate_host_pages(value),
+                           "priority": lambda: service.evict(tokens([2]), priority=value),
+                           "layer": lambda: load.wait_layer(value)}.items():
+            with pytest.raises(ArgumentTypeError, match=f"{name} must be an int"):
+                call()
+        assert service.statistics() == before
+        service.release(held)

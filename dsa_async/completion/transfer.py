@@ -12,14 +12,11 @@ loop.
 from __future__ import annotations
 
 import asyncio
-import operator
 import threading
 import time
 import weakref
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Protocol
-
-import numpy as np
 
 from ..errors import (
     ArgumentTypeError,
@@ -28,6 +25,8 @@ from ..errors import (
     ServiceClosedError,
     TransferFailedError,
     WrongThreadError,
+    int_argument,
+    is_real_number,
     shown,
 )
 from ..host_memory.pool import HostPages
@@ -281,13 +280,7 @@ class Transfer:
             raise ArgumentTypeError("per-layer readiness belongs to prefetches; this Transfer "
                                     "is an eviction: await it instead")
         layers = self._scheduler.num_layers
-        if isinstance(layer, (bool, np.bool_)):
-            raise ArgumentTypeError(f"layer must be an int, got {shown(layer)}")
-        try:
-            index = operator.index(layer)
-        except TypeError:
-            raise ArgumentTypeError(f"layer must be an int, got {shown(layer)} "
-                                    f"({type(layer).__name__})") from None
+        index = int_argument("layer", layer)
         if not 0 <= index < layers:
             raise ArgumentValueError(f"layer {shown(index)} is out of range: this service has "
                                      f"{layers} layers (0..{layers - 1})")
@@ -354,7 +347,7 @@ def _checked_timeout(timeout_s: object) -> float | None:
     and negative values."""
     if timeout_s is None:
         return None
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
+    if not is_real_number(timeout_s):
         raise ArgumentTypeError(f"timeout_s must be a number of seconds or None, got "
                                 f"{shown(timeout_s)} ({type(timeout_s).__name__})")
     if not timeout_s >= 0:  # negative, or NaN

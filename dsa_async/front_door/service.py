@@ -35,7 +35,7 @@ from prometheus_client import CollectorRegistry
 from .._version import __version__
 from ..completion.result import TransferResult
 from ..completion.transfer import Transfer
-from ..config import ServiceConfig, as_float, shown
+from ..config import ServiceConfig
 from ..errors import (
     ArgumentTypeError,
     ArgumentValueError,
@@ -45,6 +45,10 @@ from ..errors import (
     IndexValueError,
     ServiceClosedError,
     UnknownHostPagesError,
+    as_float,
+    int_argument,
+    is_real_number,
+    shown,
 )
 from ..host_memory.budget import probe_host_budget
 from ..host_memory.ledger import HostLedger
@@ -585,9 +589,8 @@ class OffloadService:
         reads (``on_device``), queue their copy to the host after the producers. Raises,
         changing nothing; never blocks. Returns the transfer and the loop producers
         :meth:`_accept` watches."""
-        if type(priority) is not int and (isinstance(priority, bool)
-                                          or not isinstance(priority, int)):
-            raise ArgumentTypeError(f"priority must be an int, got {priority!r}")
+        if type(priority) is not int:
+            priority = int_argument("priority", priority)
         if on_loop:  # the queue bound: counted with what threads posted (thread_submit.py)
             self._inbox.admit_on_loop()
         else:  # refused early here; checked again as it is posted
@@ -659,9 +662,7 @@ class OffloadService:
         :meth:`call_threadsafe`)."""
         self._running_here("allocate_host_pages()",
                            "call it through call_threadsafe(service.allocate_host_pages, n)")
-        if isinstance(num_pages, bool) or not isinstance(num_pages, int):
-            raise ArgumentTypeError(f"num_pages must be an int, got {num_pages!r} "
-                                    f"({type(num_pages).__name__})")
+        num_pages = int_argument("num_pages", num_pages)
         if num_pages <= 0:
             raise ArgumentValueError(f"num_pages must be at least 1, got {shown(num_pages)}")
         handle = self._pool.allocate(num_pages)
@@ -729,7 +730,7 @@ def _deadline_offset_s(deadline_s: object) -> float:
     non-number, and NaN, infinities and integers too large for a float."""
     if deadline_s is None:
         return NO_DEADLINE
-    if isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float)):
+    if not is_real_number(deadline_s):
         raise ArgumentTypeError(f"deadline_s must be a finite number of seconds or None, "
                                 f"got {deadline_s!r} ({type(deadline_s).__name__})")
     offset_s = as_float(deadline_s)
