@@ -7,7 +7,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .errors import ConfigError, as_float, check_fits_int64, shown
+from .errors import ConfigError, as_float, check_fits_int64, is_real_number, shown
 from .geometry import PageGeometry, dsa_indexer
 from .kinds import Backend, parse_enum
 
@@ -54,13 +54,15 @@ def _check_int(name: str, value: object, low: int) -> None:
     check_fits_int64(f"ServiceConfig.{name}", value)
 
 
-def _check_seconds(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+def _check_seconds(name: str, value: object) -> float:
+    """``value`` as float seconds: a positive finite real number of any type."""
+    if not is_real_number(value):
         raise ConfigError(f"ServiceConfig.{name} must be a number of seconds, got {value!r}")
     seconds = as_float(value)
     if not (seconds > 0 and math.isfinite(seconds)):
         raise ConfigError(f"ServiceConfig.{name} must be a positive finite number of seconds, "
                           f"got {shown(value)}")
+    return seconds
 
 
 def _check_path(name: str, value: object) -> None:
@@ -114,8 +116,8 @@ class ServiceConfig:
         _check_int("max_inflight_bytes_d2h", self.max_inflight_bytes_d2h, 1)
         _check_int("max_inflight_bytes_h2d", self.max_inflight_bytes_h2d, 1)
         _check_int("max_queued_requests", self.max_queued_requests, 1)
-        _check_seconds("host_wait_timeout_s", self.host_wait_timeout_s)
-        _check_seconds("drain_timeout_s", self.drain_timeout_s)
+        for name in ("host_wait_timeout_s", "drain_timeout_s"):
+            object.__setattr__(self, name, _check_seconds(name, getattr(self, name)))
         if self.reserve_bytes is not None:
             _check_int("reserve_bytes", self.reserve_bytes, 0)
         _check_int("device_staging_bytes", self.device_staging_bytes, 1)

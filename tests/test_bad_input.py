@@ -565,3 +565,10 @@ async def test_int_arguments_refuse_every_non_integer_alike(tmp_path, value):
                 call()
         assert service.statistics() == before
         service.release(held)
+
+
+@pytest.mark.parametrize("seconds", [np.int64(3), np.float32(0.5), 2, 1.5])
+def test_config_seconds_take_every_real_type_as_a_float(seconds):
+    config = _config(drain_timeout_s=seconds, host_wait_timeout_s=seconds)
+    for value in (config.drain_timeout_s, config.host_wait_timeout_s):
+        assert type(value) is float and value == float(seconds)
