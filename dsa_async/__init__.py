@@ -26,6 +26,7 @@ from .errors import (
     QueueFullError,
     ServiceClosedError,
     TransferFailedError,
+    TransferNotDoneError,
     UnknownHostPagesError,
     UnsupportedSettingError,
     WrongThreadError,
@@ -43,8 +44,9 @@ __all__ = [
     # errors
     "ArgumentTypeError", "ArgumentValueError", "ConfigError", "CopySkipped", "DsaAsyncError",
     "HostBudgetExceeded", "HostPoolExhausted", "IndexTypeError", "IndexValueError", "LedgerError",
-    "LivenessViolation", "PageAlignmentError", "PagesInFlightError", "QueueFullError", "ServiceClosedError", "TransferFailedError",
-    "UnknownHostPagesError", "UnsupportedSettingError", "WrongThreadError",
+    "LivenessViolation", "PageAlignmentError", "PagesInFlightError", "QueueFullError",
+    "ServiceClosedError", "TransferFailedError", "TransferNotDoneError", "UnknownHostPagesError",
+    "UnsupportedSettingError", "WrongThreadError",
 ]
 
 _install_moved(__name__)  # the import paths of modules that moved keep working

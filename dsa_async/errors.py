@@ -10,6 +10,7 @@ what was wrong, the values involved, and what to change; values a caller passed 
 
 from __future__ import annotations
 
+import asyncio
 import math
 import numbers
 import operator
@@ -91,6 +92,11 @@ class TransferFailedError(DsaAsyncError, RuntimeError):
 class WrongThreadError(DsaAsyncError, RuntimeError):
     """A call made on a thread it must not run on: a blocking wait on a thread that runs an
     event loop (it would stall the loop), or a blocking runner called on its own loop thread."""
+
+
+class TransferNotDoneError(DsaAsyncError, asyncio.InvalidStateError):
+    """``Transfer.result()`` / ``exception()`` of a request that has not ended yet (also the
+    ``asyncio.InvalidStateError`` a future would raise)."""
 
 
 class LedgerError(DsaAsyncError, RuntimeError):

@@ -572,3 +572,31 @@ def test_config_seconds_take_every_real_type_as_a_float(seconds):
     config = _config(drain_timeout_s=seconds, host_wait_timeout_s=seconds)
     for value in (config.drain_timeout_s, config.host_wait_timeout_s):
         assert type(value) is float and value == float(seconds)
+
+
+async def test_result_before_the_end_is_the_services_error(tmp_path):
+    """``result()`` / ``exception()`` of a request still queued raise TransferNotDoneError (an
+    asyncio.InvalidStateError too), on the loop and on a thread, naming what to do instead."""
+    from dsa_async import TransferNotDoneError
+
+    service, _ = make_service(tmp_path, host_pages=HOST_PAGES, device_pages=DEVICE_PAGES)
+    async with service, asyncio.timeout(BOUND_S):
+        gate = asyncio.Event()
+        pending = service.evict(tokens([0]), after=gate)
+
+        def read_both() -> list[BaseException]:
+            refusals = []
+            for call in (pending.result, pending.exception):
+                with pytest.raises(TransferNotDoneError) as refused:
+                    call()
+                assert isinstance(refused.value, asyncio.InvalidStateError)
+                assert "not ended yet" in str(refused.value)
+                refusals.append(refused.value)
+            return refusals
+
+        assert len(read_both()) == 2
+        assert len(await asyncio.to_thread(read_both)) == 2
+        gate.set()
+        result = await pending
+        assert pending.result() is result and pending.exception() is None
+        service.release(result.host_pages)

@@ -24,6 +24,7 @@ from ..errors import (
     CopySkipped,
     ServiceClosedError,
     TransferFailedError,
+    TransferNotDoneError,
     WrongThreadError,
     int_argument,
     is_real_number,
@@ -122,14 +123,28 @@ class Transfer:
         self._request.future.add_done_callback(lambda _f: fn(self))
 
     def exception(self) -> BaseException | None:
-        """The error of a finished request, ``None`` if it succeeded (as ``Future.exception``)."""
+        """The error of a finished request, ``None`` if it succeeded (as ``Future.exception``;
+        ``TransferNotDoneError`` before it ended). Any thread; does not block."""
+        future = self._not_before_the_end("exception")
         self._request.observed = True
-        return self._request.future.exception()
+        return future.exception()
 
     def result(self) -> TransferResult:
-        """The result of a finished request (raises as ``Future.result`` does)."""
+        """The result of a finished request (raises as ``Future.result`` does;
+        ``TransferNotDoneError`` before it ended). Any thread; does not block."""
+        future = self._not_before_the_end("result")
         self._request.observed = True
-        return self._request.future.result()
+        return future.result()
+
+    def _not_before_the_end(self, call: str) -> asyncio.Future:
+        future = self._request.future
+        if not future.done():
+            request = self._request
+            raise TransferNotDoneError(
+                f"Transfer.{call}() of the {request.direction.value} of {request.num_pages} "
+                f"pages: it has not ended yet; await it (on the loop), wait(timeout_s) (on a "
+                f"thread), or poll done() first")
+        return future
 
     def wait(self, timeout_s: float | None = None) -> TransferResult:
         """From a thread without an event loop: block that thread until the request ends, then
