@@ -47,9 +47,10 @@ class Request:
     __slots__ = (
         "seq", "direction", "host_pages", "device_pages", "num_pages", "host_handle", "owns_host",
         "after", "priority", "deadline", "submitted_at", "padding_tokens", "nbytes",
-        "deps", "data_deps", "deps_left_queue", "handle", "batch_index", "state", "cancel_requested", "future",
-        "started", "_start_waiter", "end_waiter", "layer_seen", "waiters", "loop_waits",
-        "observed", "dropped", "device_indices", "count_wasted_at_end", "__weakref__",
+        "deps", "data_deps", "deps_left_queue", "handle", "batch_index", "state",
+        "cancel_requested", "future", "started", "_start_waiter", "end_waiter", "layer_seen",
+        "waiters", "loop_waits", "observed", "dropped", "device_indices", "count_wasted_at_end",
+        "__weakref__",
     )
 
     def __init__(self, direction: Direction, device_pages: PageSeq, host_pages: PageSeq | None,
