@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from fake_roots import GIB, make_root, write_proc_stat
+from fake_roots import GIB, Level, make_root, write_cgroup_v1, write_proc_stat
 
 from dsa_async.cli import main
 from dsa_async.host_memory.budget import ROOT_ENV
@@ -116,6 +116,28 @@ def test_reserve_gb_overrides_the_reserve(env, capsys):
     _, data, _ = run_json(capsys, "--host-pool-gb", "1", "--reserve-gb", "2.5")
     assert data["budget"]["reserve_bytes"] == 2_500_000_000
     assert data["available_bytes"] == 48 * GIB - 2_500_000_000
+
+
+def test_memory_and_swap_figures_are_shown_apart_and_add_up_to_the_headroom(env, capsys):
+    """cgroup v1 whose memory + swap binds: the text shows the memory limit and working set,
+    then memory + swap's own, then the headroom and the file that binds; the JSON gives the
+    memory + swap working set, so memsw limit - memsw working set = headroom."""
+    root = Path(env[ROOT_ENV])
+    write_cgroup_v1(root, "/docker/abc", {"/docker/abc": Level(8 * GIB, 6 * GIB, GIB // 4)})
+    level_dir = root / "sys/fs/cgroup/memory/docker/abc"
+    (level_dir / "memory.memsw.limit_in_bytes").write_text(f"{10 * GIB}\n")
+    (level_dir / "memory.memsw.usage_in_bytes").write_text(f"{19 * GIB // 2}\n")
+    assert main(["plan", "--host-pool-gb", "1", "--reserve-gb", "0"]) == 3
+    assert (
+        "  cgroup /docker/abc (v1): memory.limit_in_bytes 8.59 GB, working set 6.17 GB; "
+        "memory + swap: memory.memsw.limit_in_bytes 10.74 GB, working set 9.93 GB; "
+        "headroom 805.31 MB (memory.memsw.limit_in_bytes binds)\n"
+    ) in capsys.readouterr().out
+    _, data, _ = run_json(capsys, "--host-pool-gb", "1", "--reserve-gb", "0")
+    (level,) = data["budget"]["cgroups"]
+    assert level["memsw_working_set_bytes"] == 37 * GIB // 4
+    assert level["headroom_bytes"] == level["memsw_limit_bytes"] - level["memsw_working_set_bytes"]
+    assert level["limit_bytes"] - level["working_set_bytes"] > level["headroom_bytes"]
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,8 @@
 import dataclasses
+import re
 
 import pytest
-from fake_roots import GIB, MIB, Level, make_root, write_cgroup_v2, write_meminfo
+from fake_roots import GIB, MIB, Level, make_root, write_cgroup_v1, write_cgroup_v2, write_meminfo
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -216,8 +217,92 @@ def test_refusal_names_the_limiting_cgroup_with_its_limit_and_working_set(root):
         "limited by: cgroup /pod (v2): memory.max 4.29 GB (4,294,967,296 B), working set 2.15 GB"
         in message
     )
-    assert f"total: {format_bytes(4 * GIB)} (memory limit of cgroup /pod)" in message
+    assert f"total: {format_bytes(4 * GIB)} (memory limit of cgroup /pod: memory.max)" in message
     assert "raise the container's memory limit (memory.max of cgroup /pod)" in message
+
+
+def _v1_memsw(root, memsw_usage_bytes):
+    """v1, memory.limit 8 GiB, usage 6 GiB, inactive file 1/4 GiB: memory headroom 2.25 GiB;
+    memory + swap limit 10 GiB."""
+    write_cgroup_v1(root, "/docker/abc", {"/docker/abc": Level(8 * GIB, 6 * GIB, GIB // 4)})
+    level_dir = root / "sys/fs/cgroup/memory/docker/abc"
+    (level_dir / "memory.memsw.limit_in_bytes").write_text(f"{10 * GIB}\n")
+    (level_dir / "memory.memsw.usage_in_bytes").write_text(f"{memsw_usage_bytes}\n")
+
+
+def _v2_high(root, high):
+    """v2, memory.max 8 GiB, usage 3 GiB, inactive file 1/4 GiB, memory.high ``high``."""
+    write_cgroup_v2(root, "/svc", {"/svc": Level(8 * GIB, 3 * GIB, GIB // 4)})
+    (root / "sys/fs/cgroup/svc/memory.high").write_text(f"{high}\n")
+
+
+#: tree, (the file that binds, its limit, usage, working set = usage - 1/4 GiB)
+BINDING_CASES = {
+    "v1-memsw-binds": (lambda root: _v1_memsw(root, 19 * GIB // 2),
+                       ("memory.memsw.limit_in_bytes", 10 * GIB, 19 * GIB // 2, 37 * GIB // 4)),
+    "v1-memory-binds": (lambda root: _v1_memsw(root, 7 * GIB),
+                        ("memory.limit_in_bytes", 8 * GIB, 6 * GIB, 23 * GIB // 4)),
+    "v2-high-binds": (lambda root: _v2_high(root, 4 * GIB),
+                      ("memory.high", 4 * GIB, 3 * GIB, 11 * GIB // 4)),
+    "v2-max-binds": (lambda root: _v2_high(root, "max"),
+                     ("memory.max", 8 * GIB, 3 * GIB, 11 * GIB // 4)),
+}
+_EXACT = r"[^()]*\(([\d,]+) B\)"
+_HUMAN = r"(\d+(?:\.\d+)?) (TB|GB|MB|kB|B)"
+_UNIT = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "kB": 10**3, "B": 1}
+
+
+def _exact(text):
+    return int(text.replace(",", ""))
+
+
+def _human(number, unit):
+    """(value, rounding slack) of a human_bytes figure."""
+    return float(number) * _UNIT[unit], 0.005 * _UNIT[unit]
+
+
+@pytest.mark.parametrize("case", BINDING_CASES)
+def test_refusal_prints_the_figures_of_the_file_that_binds_and_they_add_up(root, case):
+    """The limiter line shows the binding file's own limit, usage and working set (memory +
+    swap when memory.memsw binds), so limit - working set = headroom, usage - inactive file =
+    working set, and available = headroom - reserve - other reservations, for the numbers
+    printed."""
+    build, (limit_file, limit, usage, working_set) = BINDING_CASES[case]
+    build(root)
+    budget = probe_host_budget(root, reserve_bytes=GIB // 8)
+    plan = plan_pools([INDEXER], budget_snapshot=budget, requested_bytes=100 * GB,
+                      pending_bytes=GIB // 16)
+    message = budget_exceeded_message(plan)
+    limited = re.search(
+        rf"limited by: cgroup \S+ \(v\d\): (\S+) {_EXACT}, (?:memory \+ swap )?working set "
+        rf"{_EXACT} \(usage {_HUMAN} - inactive file {_HUMAN}\), headroom {_EXACT}\n", message)
+    assert limited, message
+    got_file, got_limit, got_ws, usage_n, usage_u, inactive_n, inactive_u, headroom = \
+        limited.groups()
+    assert got_file == limit_file and f"limit ({limit_file} of cgroup" in message
+    memsw = limit_file == "memory.memsw.limit_in_bytes"
+    assert ("memory + swap working set" in message) is memsw
+    total_file = "memory.limit_in_bytes" if case.startswith("v1") else limit_file
+    total = 4 * GIB if case == "v2-high-binds" else 8 * GIB  # memory + swap is never the total
+    assert f"total: {format_bytes(total)} (memory limit of cgroup " in message
+    assert f": {total_file})\n" in message
+    assert (_exact(got_limit), _exact(got_ws)) == (limit, working_set)
+    assert _exact(got_limit) - _exact(got_ws) == _exact(headroom)
+    (usage_b, usage_slack), (inactive_b, inactive_slack) = (_human(usage_n, usage_u),
+                                                            _human(inactive_n, inactive_u))
+    assert abs(usage_b - usage) <= usage_slack
+    assert abs(usage_b - inactive_b - _exact(got_ws)) <= usage_slack + inactive_slack
+
+    available = re.search(
+        rf"available: {_EXACT} = min\(MemAvailable {_HUMAN}, cgroup \S+ headroom {_HUMAN}\) "
+        rf"- reserve {_HUMAN} - other reservations {_HUMAN}\n", message)
+    assert available, message
+    got_available, *figures = available.groups()
+    (mem_available, _), (cgroup_headroom, slack), (reserve, _), (pending, _) = (
+        _human(*figures[i:i + 2]) for i in range(0, 8, 2))
+    assert abs(cgroup_headroom - _exact(headroom)) <= slack < mem_available - cgroup_headroom
+    assert _exact(got_available) == _exact(headroom) - GIB // 8 - GIB // 16
+    assert abs(_exact(got_available) - (cgroup_headroom - reserve - pending)) <= 3 * slack
 
 
 def test_refusal_names_free_hugepages(tmp_path):

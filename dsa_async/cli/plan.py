@@ -17,10 +17,13 @@ from ..host_memory.budget import BudgetSnapshot, probe_host_budget
 from ..host_memory.ledger import HostLedger, LedgerEntry
 from ..host_memory.plan import (
     GB_BYTES,
+    MEMSW_LIMIT_FILE,
     PoolPlan,
     budget_exceeded_message,
     format_bytes,
     human_bytes,
+    memory_limit_file,
+    memsw_working_set_bytes,
     plan_pools,
 )
 
@@ -162,6 +165,7 @@ def budget_as_dict(budget: BudgetSnapshot) -> dict[str, Any]:
                 "limit_file": lvl.limit_file,
                 "memsw_limit_bytes": lvl.memsw_limit_bytes,
                 "memsw_usage_bytes": lvl.memsw_usage_bytes,
+                "memsw_working_set_bytes": memsw_working_set_bytes(lvl),
             }
             for lvl in budget.levels
         ],
@@ -274,11 +278,18 @@ def plan_as_text(plan: PoolPlan, *, model: str) -> str:
         + (f" ({budget.limiter_cgroup_path})" if budget.limiter_cgroup_path else ""),
     ]
     for lvl in budget.levels:
-        limit = "no limit" if lvl.limit_bytes is None else f"limit {human_bytes(lvl.limit_bytes)}"
-        lines.append(
-            f"  cgroup {lvl.path} ({lvl.version.value}): {limit}, "
-            f"working set {human_bytes(lvl.working_set_bytes)}"
-        )
+        limit = "no limit" if lvl.limit_bytes is None else (
+            f"{memory_limit_file(lvl)} {human_bytes(lvl.limit_bytes)}")
+        line = (f"  cgroup {lvl.path} ({lvl.version.value}): {limit}, "
+                f"working set {human_bytes(lvl.working_set_bytes)}")
+        memsw_working_set = memsw_working_set_bytes(lvl)
+        if memsw_working_set is not None:
+            memsw = "no limit" if lvl.memsw_limit_bytes is None else (
+                f"{MEMSW_LIMIT_FILE} {human_bytes(lvl.memsw_limit_bytes)}")
+            line += f"; memory + swap: {memsw}, working set {human_bytes(memsw_working_set)}"
+        if lvl.headroom_bytes is not None:
+            line += f"; headroom {human_bytes(lvl.headroom_bytes)} ({lvl.limit_file} binds)"
+        lines.append(line)
     memlock = (
         "unlimited" if budget.memlock_limit_bytes is None else human_bytes(budget.memlock_limit_bytes)
     )

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError, HostBudgetExceeded
 from ..geometry import PageGeometry
-from .budget import BudgetSnapshot, probe_host_budget
+from .budget import BudgetSnapshot, CgroupLevel, probe_host_budget
 from .ledger import HostLedger, LedgerEntry, Reservation
 
 GB_BYTES = 10**9
@@ -229,18 +229,50 @@ def format_bytes(nbytes: int) -> str:
     return f"{human_bytes(nbytes)} ({nbytes:,} B)" if nbytes >= 1000 else f"{nbytes} B"
 
 
+MEMSW_LIMIT_FILE = "memory.memsw.limit_in_bytes"
+
+
+def memory_limit_file(level: CgroupLevel) -> str:
+    """The file ``level.limit_bytes`` comes from; memory + swap is never the memory limit."""
+    return "memory.limit_in_bytes" if level.limit_file == MEMSW_LIMIT_FILE else level.limit_file
+
+
+def memsw_working_set_bytes(level: CgroupLevel) -> int | None:
+    """v1 with swap accounting: memory + swap usage - inactive file; else ``None``."""
+    if level.memsw_usage_bytes is None:
+        return None
+    return max(0, level.memsw_usage_bytes - level.inactive_file_bytes)
+
+
+def binding_figures(level: CgroupLevel) -> tuple[int, int, int]:
+    """(limit, usage, working set) of the file that sets ``level.headroom_bytes`` (its
+    ``limit_file``): headroom = max(0, limit - working set), working set = max(0, usage -
+    inactive file). Memory + swap when ``memory.memsw.limit_in_bytes`` binds (v1)."""
+    if level.limit_file == MEMSW_LIMIT_FILE:
+        limit, usage = level.memsw_limit_bytes, level.memsw_usage_bytes
+        working_set = memsw_working_set_bytes(level)
+        assert limit is not None and usage is not None and working_set is not None
+        return limit, usage, working_set
+    assert level.limit_bytes is not None
+    return level.limit_bytes, level.usage_bytes, level.working_set_bytes
+
+
 def _limiter_lines(plan: PoolPlan) -> tuple[str, str]:
     """(what limits the budget, how to raise that limit)."""
     budget = plan.budget
     level = budget.limiter_level
     if level is not None:
-        assert level.limit_bytes is not None and level.headroom_bytes is not None
+        assert level.headroom_bytes is not None
+        limit, usage, working_set = binding_figures(level)
+        swap = " + swap" if level.limit_file == MEMSW_LIMIT_FILE else ""
+        working = f"memory{swap} working set" if swap else "working set"
         return (
             f"cgroup {level.path} ({level.version.value}): {level.limit_file} "
-            f"{format_bytes(level.limit_bytes)}, working set {format_bytes(level.working_set_bytes)} "
-            f"(usage {human_bytes(level.usage_bytes)} - inactive file "
+            f"{format_bytes(limit)}, {working} {format_bytes(working_set)} "
+            f"(usage {human_bytes(usage)} - inactive file "
             f"{human_bytes(level.inactive_file_bytes)}), headroom {format_bytes(level.headroom_bytes)}",
-            f"raise the container's memory limit ({level.limit_file} of cgroup {level.path})",
+            f"raise the container's memory{swap} limit "
+            f"({level.limit_file} of cgroup {level.path})",
         )
     if budget.hugepages:
         assert budget.hugepages_free_bytes is not None
@@ -276,7 +308,7 @@ def _total_source(budget: BudgetSnapshot) -> str:
     """What sets ``limit_bytes``: MemTotal or the tightest cgroup limit."""
     tightest = [lvl for lvl in budget.levels if lvl.limit_bytes == budget.limit_bytes]
     if budget.limit_bytes < budget.mem_total_bytes and tightest:
-        return f"memory limit of cgroup {tightest[0].path}"
+        return f"memory limit of cgroup {tightest[0].path}: {memory_limit_file(tightest[0])}"
     return "MemTotal"
 
 
