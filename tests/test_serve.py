@@ -243,6 +243,26 @@ async def test_a_forward_pass_that_cannot_allocate_its_compute_fails_the_run_on_
     async with asyncio.timeout(DEADLINE_S):
         summary = await serve(options_from(args), stdout=io.StringIO())
     assert summary.errors > 0 and summary.turns == 0
+    assert summary.failed_steps == summary.forward_steps > 0 and not summary.ok
+
+
+def test_failed_forward_steps_fail_the_verdict_and_the_exit_code(tmp_path, env):
+    """A run whose forward steps all failed (a [D, D] matrix whose byte size overflows, so the
+    setup fails at once on any machine) moved nothing and verified nothing: its verdict is
+    FAILED naming the failed steps and their error, in the text and in the JSON, exit 1."""
+    path = tmp_path / "summary.json"
+    run = Serve(env, "--backend", "cpu", "--layers", "2", "--device-pages", "16",
+                "--compute-dim", "3000000000", "--duration-s", "1", "--quiet",
+                "--json-summary", str(path))
+    code, stdout, stderr = run.finish()
+    assert code == 1, stderr
+    data = _summary(path)
+    assert data["ok"] is False and data["failed_steps"] == data["forward_steps"] > 0
+    (failure,) = data["failures"]
+    assert failure.startswith(f"{data['failed_steps']:,} of {data['forward_steps']:,} forward "
+                              f"steps failed (first: RuntimeError: the forward pass could not "
+                              f"set up its compute (--compute-dim 3000000000)")
+    assert stdout.splitlines()[-1] == f"  verdict: FAILED: {failure}"
 
 
 # Integers too large for what the run does with them: torch takes 64-bit seeds, a [D, D]

@@ -4,8 +4,8 @@ Conversations with shared system prompts arrive over time (``--workload multitur
 or are replayed from a JSON-lines trace (``--workload trace:PATH``); their pages move between
 the device cache and the host pool through the service, and every prefetched page is checked
 against the checksum recorded when it was written. SIGINT/SIGTERM or ``--duration-s`` drain the
-service and print a summary. Exit 0 when no page mismatched and nothing leaked, 1 otherwise,
-2 on bad arguments.
+service and print a summary. Exit 0 when every forward step ran, no page mismatched and
+nothing leaked, 1 otherwise (the verdict names why), 2 on bad arguments.
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def options_from(args: argparse.Namespace) -> ServeOptions:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the workload on a fresh uvloop; 0 when every page checked out and nothing leaked."""
+    """Run the workload on a fresh uvloop; 0 when the summary's verdict is OK, else 1."""
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                             format="%(asctime)s %(levelname)s %(message)s")

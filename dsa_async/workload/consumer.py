@@ -66,6 +66,8 @@ class StepResult:
 @dataclass
 class ForwardPassStats:
     steps: int = 0
+    failed_steps: int = 0
+    first_error: str | None = None  #: the first failed step's error, as text
     layers: int = 0
     busy_s: float = 0.0
     waited_s: float = 0.0
@@ -124,6 +126,10 @@ class ForwardPass:
             except BaseException as exc:  # noqa: BLE001 - reported to the loop
                 result = StepResult(error=exc, busy_s=time.perf_counter() - started)
             self.stats.steps += 1
+            if result.error is not None:
+                self.stats.failed_steps += 1
+                if self.stats.first_error is None:
+                    self.stats.first_error = f"{type(result.error).__name__}: {result.error}"
             self.stats.busy_s += result.busy_s
             self.stats.waited_s += result.waited_s
             try:

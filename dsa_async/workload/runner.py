@@ -220,6 +220,9 @@ async def serve(options: ServeOptions, *, stdout: TextIO = sys.stdout) -> ServeS
         host_pages_reclaimed=engine.host.reclaimed_pages,
         forward_pass_busy_s=engine.forward_stats.busy_s,
         forward_pass_waited_s=engine.forward_stats.waited_s,
+        forward_steps=engine.forward_stats.steps,
+        failed_steps=engine.forward_stats.failed_steps,
+        forward_pass_error=engine.forward_stats.first_error,
         metrics_url=metrics_server.url if metrics_server is not None else None)
     print(summary.as_text(), file=stdout, flush=True)
     if options.json_summary is not None:

@@ -96,13 +96,29 @@ class ServeSummary:
     errors: int
     forward_pass_busy_s: float
     forward_pass_waited_s: float
+    forward_steps: int  #: steps the forward pass ran, failed ones included
+    failed_steps: int
+    forward_pass_error: str | None  #: the first failed step's error
     metrics_url: str | None = None
 
     @property
+    def failures(self) -> tuple[str, ...]:
+        """Why the run failed; empty when it did not."""
+        return tuple(why for bad, why in (
+            (self.failed_steps, f"{self.failed_steps:,} of {self.forward_steps:,} forward steps "
+                                f"failed (first: {self.forward_pass_error})"),
+            (self.mismatches, f"{self.mismatches:,} prefetched pages differ from their backup"),
+            (self.leaked_pages, f"{self.leaked_pages:,} pages leaked"),
+            (not self.statistics_match, "the service's statistics differ from the start"),
+            (self.verified_pages != self.prefetched_pages,
+             f"{self.verified_pages:,} of {self.prefetched_pages:,} prefetched pages verified"),
+        ) if bad)
+
+    @property
     def ok(self) -> bool:
-        """Every prefetched page verified, none mismatched, nothing leaked."""
-        return (self.mismatches == 0 and self.leaked_pages == 0 and self.statistics_match
-                and self.prefetched_pages == self.verified_pages)
+        """Every forward step ran, every prefetched page verified, none mismatched, nothing
+        leaked."""
+        return not self.failures
 
     @classmethod
     def build(cls, *, readings: ServiceReadings, counters: WorkloadCounters,
@@ -142,6 +158,7 @@ class ServeSummary:
     def as_dict(self) -> dict:
         data = dataclasses.asdict(self)
         data["ok"] = self.ok
+        data["failures"] = list(self.failures)
         return data
 
     def write_json(self, path: str | Path) -> None:
@@ -178,9 +195,10 @@ class ServeSummary:
              f"{self.dropped_without_copy_pages:,}, computed {self.computed_pages:,} "
              f"(recomputed {self.recomputed_pages:,}), host copies lost to pressure "
              f"{self.host_copies_lost:,} ({self.host_pages_reclaimed:,} pages reclaimed)"),
-            (f"  forward pass: busy {self.forward_pass_busy_s:.1f} s, waited for layers "
+            (f"  forward pass: {self.forward_steps:,} steps ({self.failed_steps:,} failed), "
+             f"busy {self.forward_pass_busy_s:.1f} s, waited for layers "
              f"{self.forward_pass_waited_s:.2f} s; errors {self.errors} "
              f"(failed requests {self.failed_requests}, cancelled {self.cancelled_requests})"),
-            f"  verdict: {'OK' if self.ok else 'FAILED'}",
+            f"  verdict: {'OK' if self.ok else 'FAILED: ' + '; '.join(self.failures)}",
         ]
         return "\n".join(lines)
