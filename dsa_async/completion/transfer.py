@@ -133,7 +133,10 @@ class Transfer:
         """The result of a finished request (raises as ``Future.result`` does;
         ``TransferNotDoneError`` before it ended). Any thread; does not block."""
         future = self._not_before_the_end("result")
-        self._request.observed = True
+        request = self._request
+        request.observed = True
+        if request.direction is H2D:  # its layers are used now, without a wait: on time
+            self._classify_all(0.0)
         return future.result()
 
     def _not_before_the_end(self, call: str) -> asyncio.Future:
@@ -158,13 +161,18 @@ class Transfer:
         """
         request = self._request
         bound_s = _checked_timeout(timeout_s)
+        waited_s = 0.0
         if not request.future.done():
             if _runs_a_loop():
                 raise WrongThreadError("Transfer.wait() blocks its thread, and this thread runs "
                                        "an event loop: await the transfer instead")
+            waited_from = time.perf_counter()
             if not request.wait_ended(bound_s):
                 raise TimeoutError(f"the {request.direction.value} of {request.num_pages} "
                                    f"pages did not end within {timeout_s} s (it keeps running)")
+            waited_s = time.perf_counter() - waited_from
+        if request.direction is H2D:  # its layers are used now: late if it had to wait
+            self._classify_all(waited_s)
         return self.result()
 
     def __del__(self) -> None:
