@@ -13,6 +13,7 @@ from .errors import (
     ArgumentTypeError,
     ArgumentValueError,
     ConfigError,
+    CopyNotRunError,
     CopySkipped,
     DsaAsyncError,
     HostBudgetExceeded,
@@ -42,9 +43,9 @@ __all__ = [
     "HostLayout", "HostPages", "KvDtype", "OffloadService", "PageGeometry", "Pages", "PoolSize",
     "ServiceConfig", "ServiceStatistics", "Transfer", "TransferResult", "dsa_indexer", "mla_kv",
     # errors
-    "ArgumentTypeError", "ArgumentValueError", "ConfigError", "CopySkipped", "DsaAsyncError",
-    "HostBudgetExceeded", "HostPoolExhausted", "IndexTypeError", "IndexValueError", "LedgerError",
-    "LivenessViolation", "PageAlignmentError", "PagesInFlightError", "QueueFullError",
+    "ArgumentTypeError", "ArgumentValueError", "ConfigError", "CopyNotRunError", "CopySkipped",
+    "DsaAsyncError", "HostBudgetExceeded", "HostPoolExhausted", "IndexTypeError",
+    "IndexValueError", "LedgerError", "LivenessViolation", "PageAlignmentError", "PagesInFlightError", "QueueFullError",
     "ServiceClosedError", "TransferFailedError", "TransferNotDoneError", "UnknownHostPagesError",
     "UnsupportedSettingError", "WrongThreadError",
 ]

@@ -89,6 +89,12 @@ class TransferFailedError(DsaAsyncError, RuntimeError):
     """A copy batch failed; ``__cause__`` holds the original exception."""
 
 
+class CopyNotRunError(TransferFailedError):
+    """A copy batch that never ran because something it had to wait for failed: a producer
+    named in ``after=``, or the backup whose host pages it reads. Its requests fail with it as
+    the cause; ``transfer_errors_total`` does not count it (no copy failed)."""
+
+
 class WrongThreadError(DsaAsyncError, RuntimeError):
     """A call made on a thread it must not run on: a blocking wait on a thread that runs an
     event loop (it would stall the loop), or a blocking runner called on its own loop thread."""

@@ -18,7 +18,12 @@ import pytest
 from service_fixtures import make_service, on_plain_thread
 
 from dsa_async import Pages
-from dsa_async.errors import HostPoolExhausted, ServiceClosedError, TransferFailedError
+from dsa_async.errors import (
+    CopyNotRunError,
+    HostPoolExhausted,
+    ServiceClosedError,
+    TransferFailedError,
+)
 from dsa_async.host_memory.ledger import HostLedger
 from dsa_async.transfer.cpu import CpuEngine
 
@@ -282,7 +287,8 @@ def _errors_counted(service) -> float:
 async def test_cancel_drops_a_copy_still_waiting_for_its_producer(tmp_path, producer_kind):
     """A request whose copy waits in the engine for a producer that never fires is dropped
     when cancelled: it ends cancelled (without the producer), returns its host pages, fails
-    the requests that needed its data, and counts as no copy error."""
+    the requests that needed its data (whose copies never run either), and counts as no copy
+    error."""
     service, _ = make_service(tmp_path)
     async with service, asyncio.timeout(BOUND_S):
         start = service.statistics()
@@ -310,7 +316,7 @@ async def test_cancel_drops_a_copy_still_waiting_for_its_producer(tmp_path, prod
         service.release(host)
         await _settle(service)
         assert service.statistics() == start
-        assert _errors_counted(service) == errors + 1  # the reader's batch; no dropped copy
+        assert _errors_counted(service) == errors  # no copy ran: none failed
 
 
 
@@ -464,3 +470,44 @@ async def test_a_start_cancelled_while_the_engine_is_made_closes_that_engine(tmp
     left = [t for t in set(threading.enumerate()) - threads_before if t.name.startswith("dsa")]
     assert left == []
     assert HostLedger(tmp_path / "ledger").entries() == ()
+
+
+@pytest.mark.parametrize("cause", ["producer-failed", "producer-cancelled", "backup-failed",
+                                   "closed-while-waiting"])
+async def test_copies_that_never_ran_are_no_copy_errors(tmp_path, cause):
+    """``transfer_errors_total`` counts copy batches that ran and failed. A batch that never ran
+    (its producer failed or was cancelled, the backup it reads failed, the service closed while
+    it waited) fails its requests with CopyNotRunError (a TransferFailedError) or
+    ServiceClosedError as the cause, and counts nothing; a copy that did fail counts once."""
+    service, _ = make_service(tmp_path, drain_timeout_s=0.05)
+    await service.start()
+    async with asyncio.timeout(BOUND_S):
+        producer = concurrent.futures.Future()
+        backup = service.evict(Pages([0, 1]), after=producer)
+        await _settle(service)
+        assert backup._request.state.value == "submitted"  # in the engine, waiting
+        transfers = [backup]
+        if cause == "backup-failed":
+            transfers.append(service.prefetch(backup.host_pages, Pages([3, 4])))
+            await _settle(service)
+        if cause == "closed-while-waiting":
+            await service.close()
+        elif cause == "producer-cancelled":
+            producer.cancel()
+        else:
+            producer.set_exception(RuntimeError("the producing kernel failed"))
+        for transfer in transfers:
+            with pytest.raises(TransferFailedError) as failed:
+                await transfer
+            assert isinstance(failed.value.__cause__, (CopyNotRunError, ServiceClosedError))
+        assert _errors_counted(service) == 0
+        if cause != "closed-while-waiting":
+            def fail_the_copy(batch, layer):
+                raise RuntimeError("injected copy fault")
+
+            service._fault_hook = fail_the_copy
+            service._engine.fault_hook = fail_the_copy
+            with pytest.raises(TransferFailedError):
+                await service.evict(Pages([5]))
+            assert _errors_counted(service) == 1
+            await service.close()

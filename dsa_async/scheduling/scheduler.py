@@ -22,6 +22,7 @@ from collections.abc import Callable
 from ..completion.result import TransferResult
 from ..config import ServiceConfig
 from ..errors import (
+    CopyNotRunError,
     CopySkipped,
     HostPoolExhausted,
     ServiceClosedError,
@@ -356,7 +357,7 @@ class Scheduler:
             self.metrics.record_batch(direction, bytes_moved=handle.batch.num_pages *
                                       self.bytes_per_page, pages_moved=handle.batch.num_pages,
                                       duration_s=handle.duration_s)
-        elif not isinstance(error, CopySkipped):  # dropped because it was cancelled: no error
+        elif not isinstance(error, _NOT_A_COPY_ERROR):
             self.metrics.record_batch_error(direction)
         now = time.perf_counter()
         ended: dict[Outcome, tuple[list[float], list[int]]] = {}
@@ -739,6 +740,12 @@ class Scheduler:
             for task in self._pressure_tasks:
                 task.cancel()
             await asyncio.wait(list(self._pressure_tasks), timeout=timeout_s)
+
+
+#: Batch errors of copies that never ran: dropped because every request was cancelled, a
+#: producer or needed backup failed, the service closed while it waited. They fail (or cancel)
+#: its requests, but ``transfer_errors_total`` counts failed copies only.
+_NOT_A_COPY_ERROR = (CopySkipped, CopyNotRunError, ServiceClosedError)
 
 
 def _waits_for_a_queued_dep(request: Request) -> bool:

@@ -20,9 +20,9 @@ import torch
 from ..errors import (
     ArgumentTypeError,
     ConfigError,
+    CopyNotRunError,
     CopySkipped,
     ServiceClosedError,
-    TransferFailedError,
 )
 from ..kinds import Backend, Direction
 from .base import TransferEngine
@@ -166,7 +166,7 @@ class CpuEngine(TransferEngine):
             # hazard: an earlier copy touches the same pages
             self._wait_for(dep.handle.done, f"batch {dep.handle.batch.batch_id}", handle)
             if dep.needs_data and dep.handle.error is not None:
-                raise TransferFailedError(
+                raise CopyNotRunError(
                     f"batch {dep.handle.batch.batch_id}, which produced the host pages this "
                     f"batch reads, failed: {dep.handle.error!r}"
                 ) from dep.handle.error
@@ -175,10 +175,10 @@ class CpuEngine(TransferEngine):
             if isinstance(producer, concurrent.futures.Future):
                 self._wait_for(_FutureDone(producer), f"its producer {producer!r}", handle)
                 if producer.cancelled():
-                    raise TransferFailedError(
+                    raise CopyNotRunError(
                         f"its producer {producer!r} was cancelled; the copy did not run")
                 if producer.exception() is not None:
-                    raise TransferFailedError(
+                    raise CopyNotRunError(
                         f"its producer failed with {producer.exception()!r}; the copy did not "
                         f"run") from producer.exception()
             else:

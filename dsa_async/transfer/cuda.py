@@ -56,9 +56,9 @@ import torch
 from ..errors import (
     ArgumentTypeError,
     ConfigError,
+    CopyNotRunError,
     IndexTypeError,
     ServiceClosedError,
-    TransferFailedError,
 )
 from ..geometry import HostLayout
 from ..kinds import Backend, Direction
@@ -498,7 +498,7 @@ class CudaEngine(TransferEngine):
                         # order this stream after its last copy, on the GPU.
                         stream.wait_event(other.end)
             if dep.needs_data and error is not None:
-                raise TransferFailedError(
+                raise CopyNotRunError(
                     f"batch {dep.handle.batch.batch_id}, which produced the host pages this "
                     f"batch reads, failed: {error!r}"
                 ) from error
