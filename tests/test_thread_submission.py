@@ -206,6 +206,7 @@ async def test_loop_only_calls_from_another_thread_are_refused(tmp_path):
             "Transfer.cancel()": (queued.cancel, "call_threadsafe"),
             "Transfer.add_done_callback()": (lambda: queued.add_done_callback(print),
                                              "call_threadsafe"),
+            "statistics()": (service.statistics, "call_threadsafe"),
         }
         before = service.statistics()
 
@@ -261,6 +262,23 @@ async def test_the_queue_bound_does_not_count_releases_handed_over(tmp_path):
         for transfer in transfers:
             service.release((await transfer).host_pages)
         assert service.statistics().free_pages == 16
+
+
+async def test_statistics_count_requests_threads_handed_over_as_queued(tmp_path):
+    """Requests a thread handed over count as queued from the moment the call returns, before
+    the loop takes them, as they do against the queue bound."""
+    service, _ = make_service(tmp_path, layers=LAYERS, host_pages=16, device_pages=8)
+    gate = asyncio.Event()
+    async with service, asyncio.timeout(BOUND_S):
+        posted = while_the_loop_is_blocked(
+            lambda: [service.evict_threadsafe(tokens([i]), after=gate) for i in range(3)])
+        assert service.statistics().queued_requests == 3  # not taken yet
+        await asyncio.sleep(0)
+        assert service.statistics().queued_requests == 3  # taken: queued behind the gate
+        gate.set()
+        for transfer in posted:
+            service.release((await transfer).host_pages)
+        assert service.statistics().queued_requests == 0
 
 
 @pytest.mark.parametrize("threads", [2, 8])

@@ -676,15 +676,18 @@ class OffloadService:
         return handle
 
     def statistics(self) -> ServiceStatistics:
-        """A frozen snapshot of current state."""
-        self._running()
+        """A frozen snapshot of current state, consistent because it is taken on the loop
+        thread (``WrongThreadError`` elsewhere: a thread reads it through
+        ``call_threadsafe(service.statistics)``); ``queued_requests`` counts requests threads
+        handed over that the loop has not taken yet."""
+        self._running_here("statistics()", "read it through call_threadsafe(service.statistics)")
         stats = self._pool.statistics()
         return ServiceStatistics(
             capacity_pages=stats.capacity_pages, used_pages=stats.used_pages,
             free_pages=stats.free_pages, largest_free_extent_pages=stats.largest_free_extent_pages,
             in_flight_pages=self._scheduler.hazards.busy_host_pages,
             ledger_bytes=self._reservation.reserved_bytes if self._reservation else 0,
-            queued_requests=self._scheduler.queued_requests,
+            queued_requests=self._inbox.requests_waiting(),  # threads' hand-offs too
             inflight_requests=self._scheduler.inflight_requests)
 
     def call_threadsafe(self, method: Callable[..., object], *args: object, **kwargs: object
