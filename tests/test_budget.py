@@ -230,15 +230,22 @@ def test_v2_memory_high_below_memory_max_is_the_limit(tmp_path):
     assert (level.limit_bytes, level.limit_file) == (4 * GIB, "memory.high")
 
 
-def test_v1_memory_and_swap_limit_binds_when_memory_is_swapped_out(tmp_path):
-    """With swap accounting a cgroup's memory + swap is charged: pages swapped out lower no
-    charge, so memsw.limit - memsw.usage bounds a new arena when it is the smaller headroom."""
+def _v1_memory_8_of_6_gib_memsw_10_of_9_5_gib(tmp_path):
+    """A v1 cgroup using 6 of 8 GiB of memory and 9.5 of 10 GiB of memory + swap: its root and
+    the level's directory."""
     root = make_root(tmp_path, mem_total_bytes=64 * GIB, mem_available_bytes=48 * GIB)
     write_cgroup_v1(root, "/docker/abc",
                     {"/docker/abc": Level(limit_bytes=8 * GIB, usage_bytes=6 * GIB)})
     level_dir = root / "sys/fs/cgroup/memory/docker/abc"
     (level_dir / "memory.memsw.limit_in_bytes").write_text(f"{10 * GIB}\n")
     (level_dir / "memory.memsw.usage_in_bytes").write_text(f"{int(9.5 * GIB)}\n")
+    return root, level_dir
+
+
+def test_v1_memory_and_swap_limit_binds_when_memory_is_swapped_out(tmp_path):
+    """With swap accounting a cgroup's memory + swap is charged: pages swapped out lower no
+    charge, so memsw.limit - memsw.usage bounds a new arena when it is the smaller headroom."""
+    root, level_dir = _v1_memory_8_of_6_gib_memsw_10_of_9_5_gib(tmp_path)
     assert probe(root, reserve_bytes=0).available_bytes == GIB // 2
     (level_dir / "memory.memsw.usage_in_bytes").write_text(f"{7 * GIB}\n")  # little swapped
     assert probe(root, reserve_bytes=0).available_bytes == 2 * GIB  # memory's headroom binds
@@ -443,12 +450,7 @@ def test_missing_optional_files_still_mean_none(tmp_path, version):
 def test_v1_memsw_is_reported_apart_from_the_memory_limit_and_caps_only_the_headroom(tmp_path):
     """memory.memsw.limit_in_bytes is memory + swap: never the memory limit (limit_bytes, nor
     the snapshot's tightest limit); its headroom caps the budget when it is lower."""
-    root = make_root(tmp_path, mem_total_bytes=64 * GIB, mem_available_bytes=48 * GIB)
-    write_cgroup_v1(root, "/docker/abc",
-                    {"/docker/abc": Level(limit_bytes=8 * GIB, usage_bytes=6 * GIB)})
-    level_dir = root / "sys/fs/cgroup/memory/docker/abc"
-    (level_dir / "memory.memsw.limit_in_bytes").write_text(f"{10 * GIB}\n")
-    (level_dir / "memory.memsw.usage_in_bytes").write_text(f"{int(9.5 * GIB)}\n")
+    root, level_dir = _v1_memory_8_of_6_gib_memsw_10_of_9_5_gib(tmp_path)
     snap = probe(root, reserve_bytes=0)
     (level,) = snap.levels
     assert (level.limit_bytes, level.usage_bytes, level.working_set_bytes) == (
