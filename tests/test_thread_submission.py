@@ -264,6 +264,36 @@ async def test_the_queue_bound_does_not_count_releases_handed_over(tmp_path):
         assert service.statistics().free_pages == 16
 
 
+async def test_the_queue_count_threads_read_never_drops_while_the_loop_reorders(
+        tmp_path, monkeypatch):
+    """What a thread counts against the queue bound is the queue's real length at every moment
+    of a flush, also while the loop puts the queue in priority order (an in-place sort
+    emptied the list meanwhile: a thread posting then read 0 and passed the bound)."""
+    from dsa_async.scheduling.request import Request
+
+    count = 40
+    service, _ = make_service(tmp_path, layers=LAYERS, host_pages=16, device_pages=8,
+                              max_queued_requests=count)
+    gate = asyncio.Event()
+    async with service, asyncio.timeout(BOUND_S):
+        queued = [service.evict(tokens([i % 8]), after=gate) for i in range(count - 1)]
+        seen: list[int] = []
+        key = Request.sort_key
+
+        def watching_key(request):
+            seen.append(service._inbox.requests_waiting())  # as a posting thread reads it
+            return key(request)
+
+        monkeypatch.setattr(Request, "sort_key", watching_key)
+        queued.append(service.evict(tokens([0]), after=gate, priority=5))  # out of order
+        await asyncio.sleep(0)
+        monkeypatch.setattr(Request, "sort_key", key)
+        assert seen and set(seen) == {count}, sorted(set(seen))
+        gate.set()
+        for transfer in queued:
+            service.release((await transfer).host_pages)
+
+
 async def test_statistics_count_requests_threads_handed_over_as_queued(tmp_path):
     """Requests a thread handed over count as queued from the moment the call returns, before
     the loop takes them, as they do against the queue bound."""

@@ -176,7 +176,9 @@ class Scheduler:
         if not queue:
             return []
         if not self._queue_sorted[direction]:
-            queue.sort(key=Request.sort_key)
+            # Sorted into a new list: list.sort() empties the list while it runs its key
+            # function, and a thread counting the queue against the bound would read 0.
+            queue = self.queues[direction] = sorted(queue, key=Request.sort_key)
             self._queue_sorted[direction] = True
         room = self.max_inflight_bytes[direction] - self.inflight_bytes[direction]
         busy = self.inflight_bytes[direction] > 0
