@@ -1,6 +1,7 @@
 """Every way a caller consumes a whole prefetch counts each of its layers once, as on time or
-late, never as wasted: ``await``, ``Transfer.wait()`` from a thread, ``result()`` after
-``done()``. Only a prefetch whose layers nobody used counts them as wasted."""
+late, never as wasted: ``await``, ``Transfer.wait()`` from a thread (before or after the end).
+A prefetch whose layers nobody used counts them as wasted, also when its outcome was read
+(``done()``, ``result()``, ``exception()``: how a caller checks for failure)."""
 
 from __future__ import annotations
 
@@ -39,16 +40,8 @@ async def _wait_on_a_thread_after_the_end(service, load, gate):
     await asyncio.to_thread(load.wait, 0)
 
 
-async def _poll_then_result(service, load, gate):
-    gate.set()
-    while not load.done():
-        await asyncio.sleep(0.001)
-    load.result()
-
-
 CONSUMERS = {"await": _await, "wait-on-a-thread": _wait_on_a_thread,
-             "wait-after-the-end": _wait_on_a_thread_after_the_end,
-             "done-then-result": _poll_then_result}
+             "wait-after-the-end": _wait_on_a_thread_after_the_end}
 
 
 @pytest.mark.parametrize("consume", sorted(CONSUMERS))
@@ -69,7 +62,8 @@ async def test_a_consumed_prefetch_counts_every_layer_once_as_used(tmp_path, con
         service.release(held)
 
 
-async def test_a_prefetch_nobody_looked_at_counts_its_layers_as_wasted(tmp_path):
+@pytest.mark.parametrize("read_outcome", [False, True])
+async def test_a_prefetch_nobody_used_counts_its_layers_as_wasted(tmp_path, read_outcome):
     service, _ = make_service(tmp_path, layers=LAYERS)
     async with service, asyncio.timeout(BOUND_S):
         held = service.allocate_host_pages(2)
@@ -77,6 +71,8 @@ async def test_a_prefetch_nobody_looked_at_counts_its_layers_as_wasted(tmp_path)
         load = service.prefetch(held, tokens([0, 1]))
         while not load.done():
             await asyncio.sleep(0.001)
+        if read_outcome:  # a check for failure uses no layer
+            assert load.exception() is None and load.result().pages == 2
         del load
         gc.collect()
         after = _layer_counts(service)

@@ -131,12 +131,11 @@ class Transfer:
 
     def result(self) -> TransferResult:
         """The result of a finished request (raises as ``Future.result`` does;
-        ``TransferNotDoneError`` before it ended). Any thread; does not block."""
+        ``TransferNotDoneError`` before it ended). Any thread; does not block. Reading the
+        outcome uses no layer: a consumer of a prefetch's layers awaits it, ``wait()``s for it
+        or waits per layer (what ``prefetch_layers_total`` counts)."""
         future = self._not_before_the_end("result")
-        request = self._request
-        request.observed = True
-        if request.direction is H2D:  # its layers are used now, without a wait: on time
-            self._classify_all(0.0)
+        self._request.observed = True
         return future.result()
 
     def _not_before_the_end(self, call: str) -> asyncio.Future:
