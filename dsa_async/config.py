@@ -30,7 +30,7 @@ class PoolSize:
         for name in ("pages", "bytes", "max_pages"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-                raise ConfigError(f"PoolSize.{name} must be an int, got {value!r}")
+                raise ConfigError(f"PoolSize.{name} must be an int, got {shown(value)}")
             if value is not None and value <= 0:
                 raise ConfigError(f"PoolSize.{name} must be > 0, got {shown(value)}; use auto "
                                   f"to fit the pool into the budget")
@@ -48,7 +48,7 @@ class PoolSize:
 
 def _check_int(name: str, value: object, low: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"ServiceConfig.{name} must be an int, got {value!r}")
+        raise ConfigError(f"ServiceConfig.{name} must be an int, got {shown(value)}")
     if value < low:
         raise ConfigError(f"ServiceConfig.{name} must be >= {low}, got {shown(value)}")
     check_fits_int64(f"ServiceConfig.{name}", value)
@@ -57,7 +57,7 @@ def _check_int(name: str, value: object, low: int) -> None:
 def _check_seconds(name: str, value: object) -> float:
     """``value`` as float seconds: a positive finite real number of any type."""
     if not is_real_number(value):
-        raise ConfigError(f"ServiceConfig.{name} must be a number of seconds, got {value!r}")
+        raise ConfigError(f"ServiceConfig.{name} must be a number of seconds, got {shown(value)}")
     seconds = as_float(value)
     if not (seconds > 0 and math.isfinite(seconds)):
         raise ConfigError(f"ServiceConfig.{name} must be a positive finite number of seconds, "
@@ -68,7 +68,7 @@ def _check_seconds(name: str, value: object) -> float:
 def _check_path(name: str, value: object) -> None:
     if value is not None and not isinstance(value, (str, os.PathLike)):
         raise ConfigError(f"ServiceConfig.{name} must be a directory path (str or os.PathLike) "
-                          f"or None, got {value!r} ({type(value).__name__})")
+                          f"or None, got {shown(value)} ({type(value).__name__})")
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ MLA_KV_BYTES_PER_TOKEN_PER_LAYER = {KvDtype.FP8: 656, KvDtype.BF16: 1152}
 
 def _positive_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        raise ConfigError(f"{name} must be an int, got {type(value).__name__} {shown(value)}")
     if value <= 0:
         raise ConfigError(f"{name} must be > 0, got {shown(value)}")
     check_fits_int64(name, value)
@@ -57,7 +57,7 @@ def _positive_int(name: str, value: object) -> int:
 def as_flag(name: str, value: object) -> bool:
     """A yes/no argument: a bool (or numpy bool), never any truthy value (``'no'`` is truthy)."""
     if not isinstance(value, (bool, np.bool_)):
-        raise ConfigError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+        raise ConfigError(f"{name} must be True or False, got {type(value).__name__} {shown(value)}")
     return bool(value)
 
 

@@ -600,3 +600,39 @@ async def test_result_before_the_end_is_the_services_error(tmp_path):
         result = await pending
         assert pending.result() is result and pending.exception() is None
         service.release(result.host_pages)
+
+
+_UNSHOWABLE = [10**5000]  # a wrong type whose repr() itself fails (an int beyond str())
+
+
+@pytest.mark.parametrize("build", [
+    pytest.param(lambda v: PoolSize(pages=v), id="PoolSize.pages"),
+    pytest.param(lambda v: _config(max_queued_requests=v), id="max_queued_requests"),
+    pytest.param(lambda v: _config(drain_timeout_s=v), id="drain_timeout_s"),
+    pytest.param(lambda v: _config(ledger_directory=v), id="ledger_directory"),
+    pytest.param(lambda v: dsa_indexer(num_layers=v), id="num_layers"),
+    pytest.param(lambda v: dsa_indexer(with_draft=v), id="with_draft"),
+])
+def test_config_refusals_show_a_value_whose_repr_fails(build):
+    """A wrong type is refused with ConfigError even when showing it fails (a list holding an
+    int of 5,000 digits): the message names its type, never a ValueError from repr()."""
+    with pytest.raises(ConfigError, match="list"):
+        build(_UNSHOWABLE)
+
+
+async def test_argument_refusals_show_a_value_whose_repr_fails(tmp_path):
+    service, _ = make_service(tmp_path, host_pages=HOST_PAGES, device_pages=DEVICE_PAGES)
+    async with service, asyncio.timeout(BOUND_S):
+        held = service.allocate_host_pages(2)
+        load = service.prefetch(held, tokens([0, 1]))
+        await load
+        calls = {"deadline_s": lambda: service.prefetch(held, tokens([0, 1]),
+                                                        deadline_s=_UNSHOWABLE),
+                 "priority": lambda: service.evict(tokens([2]), priority=_UNSHOWABLE),
+                 "num_pages": lambda: service.allocate_host_pages(_UNSHOWABLE),
+                 "layer": lambda: load.wait_layer(_UNSHOWABLE),
+                 "timeout_s": lambda: load.wait_layer(0, timeout_s=_UNSHOWABLE)}
+        for name, call in calls.items():
+            with pytest.raises(ArgumentTypeError, match=name):
+                call()
+        service.release(held)

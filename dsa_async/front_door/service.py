@@ -735,7 +735,7 @@ def _deadline_offset_s(deadline_s: object) -> float:
         return NO_DEADLINE
     if not is_real_number(deadline_s):
         raise ArgumentTypeError(f"deadline_s must be a finite number of seconds or None, "
-                                f"got {deadline_s!r} ({type(deadline_s).__name__})")
+                                f"got {shown(deadline_s)} ({type(deadline_s).__name__})")
     offset_s = as_float(deadline_s)
     if not math.isfinite(offset_s):
         raise ArgumentValueError(f"deadline_s must be a finite number of seconds or None, "

@@ -40,7 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import ConfigError
+from ..errors import ConfigError, shown
 from ..geometry import as_flag
 
 ROOT_ENV = "DSA_ASYNC_ROOT"
@@ -406,7 +406,7 @@ def probe_host_budget(
     if reserve_bytes is not None and (
         isinstance(reserve_bytes, bool) or not isinstance(reserve_bytes, int) or reserve_bytes < 0
     ):
-        raise ConfigError(f"reserve_bytes must be an int >= 0, got {reserve_bytes!r}")
+        raise ConfigError(f"reserve_bytes must be an int >= 0, got {shown(reserve_bytes)}")
     hugepages = as_flag("hugepages", hugepages)
     base = resolve_root(root)
     meminfo = _read_meminfo(base)

@@ -38,7 +38,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ..errors import ConfigError, LedgerError
+from ..errors import ConfigError, LedgerError, shown
 
 LEDGER_ENV = "DSA_ASYNC_LEDGER"
 LEDGER_FILE_NAME = "ledger.json"
@@ -203,7 +203,7 @@ class Reservation:
 
 def _check_bytes(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(f"{name} must be an int >= 0, got {value!r}")
+        raise ConfigError(f"{name} must be an int >= 0, got {shown(value)}")
 
 
 class HostLedger:

@@ -19,7 +19,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..errors import ConfigError, HostBudgetExceeded
+from ..errors import ConfigError, HostBudgetExceeded, shown
 from ..geometry import PageGeometry
 from .budget import BudgetSnapshot, CgroupLevel, probe_host_budget
 from .ledger import HostLedger, LedgerEntry, Reservation
@@ -86,7 +86,7 @@ class PoolPlan:
 
 def _positive(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{name} must be an int > 0, got {value!r}")
+        raise ConfigError(f"{name} must be an int > 0, got {shown(value)}")
     return value
 
 
