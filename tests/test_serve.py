@@ -355,3 +355,18 @@ def test_the_summary_path_check_leaves_nothing_behind(tmp_path):
     assert kept.read_text() == "keep me"
     check_writable_file("/dev/null", "--json-summary")  # a device: written as given
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kept.json"]
+
+
+def test_a_summary_path_through_a_link_is_checked_where_it_will_be_written(tmp_path):
+    """A symlink to a file not written yet is a path the run can write (it creates the
+    target): accepted, leaving the link dangling as it was; a link into a missing directory is
+    refused, as that directory would be."""
+    (tmp_path / "out").mkdir()
+    link = tmp_path / "summary.json"
+    link.symlink_to(tmp_path / "out" / "summary.json")
+    check_writable_file(link, "--json-summary")
+    assert link.is_symlink() and not link.exists()
+    broken = tmp_path / "broken.json"
+    broken.symlink_to(tmp_path / "missing" / "summary.json")
+    with pytest.raises(ConfigError, match="does not exist"):
+        check_writable_file(broken, "--json-summary")

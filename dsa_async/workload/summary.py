@@ -27,6 +27,8 @@ def check_writable_file(path: str | os.PathLike[str], setting: str) -> None:
     file it had to create is removed again. A device or FIFO (``/dev/stdout``) is not opened.
     Blocking (a few system calls)."""
     path = Path(path)
+    if path.is_symlink() and not path.exists():  # dangling: writing it creates the target
+        path = path.resolve()
     if path.is_dir():
         raise ConfigError(f"{setting} {str(path)!r} is a directory; give a file path (e.g. "
                           f"{str(path / 'summary.json')!r})")
