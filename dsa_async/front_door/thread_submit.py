@@ -20,7 +20,8 @@ The queue bound (``ServiceConfig.max_queued_requests``) counts queued requests, 
 and not taken yet, and a loop submission being admitted; it is checked under the posters' lock
 by threads (as they post) and by the loop (as it submits), so concurrent submitters never pass
 it together. The loop updates its side without the lock, in an order that lets a concurrent
-reader count a request twice for a moment (a refusal at most one early), never miss one.
+reader count requests twice for a moment (while the loop takes a batch of them: a refusal can
+come that much early, never late), never miss one.
 """
 
 from __future__ import annotations
