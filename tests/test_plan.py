@@ -316,6 +316,36 @@ def test_refusal_names_free_hugepages(tmp_path):
     assert "vm.nr_hugepages" in message
 
 
+def test_a_hugepage_backed_pool_limited_by_memavailable_names_memavailable(tmp_path):
+    """The refusal names the figure that binds (``BudgetSnapshot.limiter``), not hugepages
+    because the arena would be hugepage-backed: with plenty of free hugepages and little
+    MemAvailable, more hugepages would not help."""
+    root = tmp_path / "r"
+    write_meminfo(root, mem_total_bytes=4 * GIB, mem_available_bytes=200 * MIB,
+                  hugepages_total=1000, hugepages_free=1000)
+    budget = probe_host_budget(root, reserve_bytes=0, hugepages=True)
+    assert budget.limiter is BudgetLimiter.MEM_AVAILABLE
+    message = budget_exceeded_message(plan_pools([INDEXER], budget_snapshot=budget,
+                                                 requested_bytes=GB))
+    assert f"limited by: MemAvailable {format_bytes(200 * MIB)}" in message
+    assert "vm.nr_hugepages" not in message and "free host memory" in message
+
+
+@pytest.mark.parametrize("available_bytes", [515_328, 6 * MIB, 9_999_999, 10**7, 3 * GIB])
+def test_the_suggested_setting_can_be_given_as_is_and_fits(available_bytes):
+    """The "to fix" value for --host-pool-gb is one the flag takes (GB, never a byte count),
+    and asking for exactly it fits."""
+    from dsa_async.cli.plan import host_pool_bytes
+
+    budget = with_available(STATIC_BUDGET, available_bytes)
+    message = budget_exceeded_message(plan_pools([INDEXER], budget_snapshot=budget,
+                                                 requested_bytes=10 * GB))
+    suggested = re.search(r"to <= ([0-9.]+) GB \(", message)
+    assert suggested, message
+    asked = host_pool_bytes(suggested.group(1))
+    assert plan_pools([INDEXER], budget_snapshot=budget, requested_bytes=asked).fits
+
+
 def test_refusal_for_many_ranks_says_so(budget):
     plan = plan_pools([INDEXER], budget_snapshot=budget, requested_bytes=10 * GB, ranks_per_host=8)
     message = budget_exceeded_message(plan)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError, HostBudgetExceeded, shown
 from ..geometry import PageGeometry
-from .budget import BudgetSnapshot, CgroupLevel, probe_host_budget
+from .budget import BudgetLimiter, BudgetSnapshot, CgroupLevel, probe_host_budget
 from .ledger import HostLedger, LedgerEntry, Reservation
 
 GB_BYTES = 10**9
@@ -274,7 +274,7 @@ def _limiter_lines(plan: PoolPlan) -> tuple[str, str]:
             f"raise the container's memory{swap} limit "
             f"({level.limit_file} of cgroup {level.path})",
         )
-    if budget.hugepages:
+    if budget.limiter is BudgetLimiter.HUGEPAGES:  # not merely hugepage-backed: binding
         assert budget.hugepages_free_bytes is not None
         return (
             f"free hugepages {format_bytes(budget.hugepages_free_bytes)}",
@@ -377,6 +377,9 @@ def budget_exceeded_message(
 def _setting_gb(nbytes: int) -> str:
     """A ``--host-pool-gb`` value no larger than ``nbytes``, with its exact bytes."""
     hundredths = nbytes * 100 // GB_BYTES
-    if hundredths == 0:
-        return f"{nbytes:,} B"
+    if hundredths == 0:  # below 0.01 GB: every digit down to the byte (the flag takes them)
+        if nbytes <= 0:
+            return f"{nbytes:,} B"
+        whole, rest = divmod(nbytes, GB_BYTES)
+        return f"{whole}.{rest:09d}".rstrip("0") + f" GB ({nbytes:,} B)"
     return f"{hundredths // 100}.{hundredths % 100:02d} GB ({nbytes:,} B)"
