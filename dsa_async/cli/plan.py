@@ -13,17 +13,14 @@ import sys
 from typing import Any
 
 from ..geometry import MODELS, KvDtype, model_pools
-from ..host_memory.budget import BudgetSnapshot, probe_host_budget
+from ..host_memory.budget import MEMSW_LIMIT_FILE, BudgetSnapshot, probe_host_budget
 from ..host_memory.ledger import HostLedger, LedgerEntry
 from ..host_memory.plan import (
     GB_BYTES,
-    MEMSW_LIMIT_FILE,
     PoolPlan,
     budget_exceeded_message,
     format_bytes,
     human_bytes,
-    memory_limit_file,
-    memsw_working_set_bytes,
     plan_pools,
 )
 
@@ -165,7 +162,7 @@ def budget_as_dict(budget: BudgetSnapshot) -> dict[str, Any]:
                 "limit_file": lvl.limit_file,
                 "memsw_limit_bytes": lvl.memsw_limit_bytes,
                 "memsw_usage_bytes": lvl.memsw_usage_bytes,
-                "memsw_working_set_bytes": memsw_working_set_bytes(lvl),
+                "memsw_working_set_bytes": lvl.memsw_working_set_bytes,
             }
             for lvl in budget.levels
         ],
@@ -279,10 +276,10 @@ def plan_as_text(plan: PoolPlan, *, model: str) -> str:
     ]
     for lvl in budget.levels:
         limit = "no limit" if lvl.limit_bytes is None else (
-            f"{memory_limit_file(lvl)} {human_bytes(lvl.limit_bytes)}")
+            f"{lvl.memory_limit_file} {human_bytes(lvl.limit_bytes)}")
         line = (f"  cgroup {lvl.path} ({lvl.version.value}): {limit}, "
                 f"working set {human_bytes(lvl.working_set_bytes)}")
-        memsw_working_set = memsw_working_set_bytes(lvl)
+        memsw_working_set = lvl.memsw_working_set_bytes
         if memsw_working_set is not None:
             memsw = "no limit" if lvl.memsw_limit_bytes is None else (
                 f"{MEMSW_LIMIT_FILE} {human_bytes(lvl.memsw_limit_bytes)}")

@@ -91,6 +91,23 @@ class CgroupLevel:
         if not self.limit_file:
             object.__setattr__(self, "limit_file", _FILES[self.version][0])
 
+    @property
+    def memory_limit_file(self) -> str:
+        """The file ``limit_bytes`` comes from (memory + swap is never the memory limit)."""
+        return _FILES[self.version][0] if self.limit_file == MEMSW_LIMIT_FILE else self.limit_file
+
+    @property
+    def memsw_working_set_bytes(self) -> int | None:
+        """v1 with swap accounting: memory + swap usage - inactive file; else ``None``."""
+        if self.memsw_usage_bytes is None:
+            return None
+        return _working_set(self.memsw_usage_bytes, self.inactive_file_bytes)
+
+
+def _working_set(usage_bytes: int, inactive_file_bytes: int) -> int:
+    """What reclaim cannot take back: usage minus the inactive file cache."""
+    return max(0, usage_bytes - inactive_file_bytes)
+
 
 @dataclass(frozen=True)
 class BudgetSnapshot:
@@ -158,10 +175,9 @@ def _figure(where: str, text: str, *, unlimited_word: str | None = None) -> int 
         return None
     value = _ascii_int(text)
     if value is None:
-        shown = repr(text) if len(text) <= 60 else f"{text[:60]!r}... ({len(text)} characters)"
         also = f" or {unlimited_word!r}" if unlimited_word else ""
         raise ConfigError(
-            f"{where} holds {shown}, not a number of bytes{also}; the host-memory budget will not "
+            f"{where} holds {shown(text)}, not a number of bytes{also}; the host-memory budget will not "
             f"guess a limit: fix the file, or point ${ROOT_ENV} at another tree"
         )
     return value
@@ -287,6 +303,9 @@ def _read_stat_key(path: Path, keys: tuple[str, ...]) -> int:
     return next((stat[k] for k in keys if k in stat), 0)
 
 
+#: v1 with swap accounting: the memory + swap limit (its usage: memory.memsw.usage_in_bytes)
+MEMSW_LIMIT_FILE = "memory.memsw.limit_in_bytes"
+
 _FILES = {
     CgroupVersion.V2: ("memory.max", "memory.current", ("inactive_file",)),
     CgroupVersion.V1: (
@@ -312,7 +331,7 @@ def _read_level(directory: Path, path: str, version: CgroupVersion) -> CgroupLev
     usage_bytes = _figure(str(directory / usage_name), usage_text)
     assert usage_bytes is not None
     inactive_file_bytes = _read_stat_key(directory / "memory.stat", inactive_keys)
-    working_set_bytes = max(0, usage_bytes - inactive_file_bytes)
+    working_set_bytes = _working_set(usage_bytes, inactive_file_bytes)
     headroom_bytes = None if limit_bytes is None else max(0, limit_bytes - working_set_bytes)
     limit_file = limit_name
     memsw_limit_bytes = memsw_usage_bytes = None
@@ -328,11 +347,10 @@ def _read_level(directory: Path, path: str, version: CgroupVersion) -> CgroupLev
     else:
         # With swap accounting, memory + swap is charged too: swapping out lowers no charge,
         # so its headroom caps a new arena as well. It is not the memory limit.
-        sw_limit_text = _read_text(directory / "memory.memsw.limit_in_bytes")
+        sw_limit_text = _read_text(directory / MEMSW_LIMIT_FILE)
         sw_usage_text = _read_text(directory / "memory.memsw.usage_in_bytes")
         if sw_limit_text is not None and sw_usage_text is not None:
-            memsw_limit_bytes = _figure(str(directory / "memory.memsw.limit_in_bytes"),
-                                        sw_limit_text)
+            memsw_limit_bytes = _figure(str(directory / MEMSW_LIMIT_FILE), sw_limit_text)
             memsw_usage_bytes = _figure(str(directory / "memory.memsw.usage_in_bytes"),
                                         sw_usage_text)
             assert memsw_limit_bytes is not None and memsw_usage_bytes is not None
@@ -340,9 +358,9 @@ def _read_level(directory: Path, path: str, version: CgroupVersion) -> CgroupLev
                 memsw_limit_bytes = None
             else:
                 sw_headroom = max(0, memsw_limit_bytes
-                                  - max(0, memsw_usage_bytes - inactive_file_bytes))
+                                  - _working_set(memsw_usage_bytes, inactive_file_bytes))
                 if headroom_bytes is None or sw_headroom < headroom_bytes:
-                    headroom_bytes, limit_file = sw_headroom, "memory.memsw.limit_in_bytes"
+                    headroom_bytes, limit_file = sw_headroom, MEMSW_LIMIT_FILE
     return CgroupLevel(
         path=path,
         version=version,

@@ -21,7 +21,13 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError, HostBudgetExceeded, shown
 from ..geometry import PageGeometry
-from .budget import BudgetLimiter, BudgetSnapshot, CgroupLevel, probe_host_budget
+from .budget import (
+    MEMSW_LIMIT_FILE,
+    BudgetLimiter,
+    BudgetSnapshot,
+    CgroupLevel,
+    probe_host_budget,
+)
 from .ledger import HostLedger, LedgerEntry, Reservation
 
 GB_BYTES = 10**9
@@ -229,28 +235,13 @@ def format_bytes(nbytes: int) -> str:
     return f"{human_bytes(nbytes)} ({nbytes:,} B)" if nbytes >= 1000 else f"{nbytes} B"
 
 
-MEMSW_LIMIT_FILE = "memory.memsw.limit_in_bytes"
-
-
-def memory_limit_file(level: CgroupLevel) -> str:
-    """The file ``level.limit_bytes`` comes from; memory + swap is never the memory limit."""
-    return "memory.limit_in_bytes" if level.limit_file == MEMSW_LIMIT_FILE else level.limit_file
-
-
-def memsw_working_set_bytes(level: CgroupLevel) -> int | None:
-    """v1 with swap accounting: memory + swap usage - inactive file; else ``None``."""
-    if level.memsw_usage_bytes is None:
-        return None
-    return max(0, level.memsw_usage_bytes - level.inactive_file_bytes)
-
-
 def binding_figures(level: CgroupLevel) -> tuple[int, int, int]:
     """(limit, usage, working set) of the file that sets ``level.headroom_bytes`` (its
     ``limit_file``): headroom = max(0, limit - working set), working set = max(0, usage -
     inactive file). Memory + swap when ``memory.memsw.limit_in_bytes`` binds (v1)."""
     if level.limit_file == MEMSW_LIMIT_FILE:
         limit, usage = level.memsw_limit_bytes, level.memsw_usage_bytes
-        working_set = memsw_working_set_bytes(level)
+        working_set = level.memsw_working_set_bytes
         assert limit is not None and usage is not None and working_set is not None
         return limit, usage, working_set
     assert level.limit_bytes is not None
@@ -308,7 +299,7 @@ def _total_source(budget: BudgetSnapshot) -> str:
     """What sets ``limit_bytes``: MemTotal or the tightest cgroup limit."""
     tightest = [lvl for lvl in budget.levels if lvl.limit_bytes == budget.limit_bytes]
     if budget.limit_bytes < budget.mem_total_bytes and tightest:
-        return f"memory limit of cgroup {tightest[0].path}: {memory_limit_file(tightest[0])}"
+        return f"memory limit of cgroup {tightest[0].path}: {tightest[0].memory_limit_file}"
     return "MemTotal"
 
 
