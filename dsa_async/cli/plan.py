@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from typing import Any
 
@@ -16,54 +15,16 @@ from ..geometry import MODELS, KvDtype, model_pools
 from ..host_memory.budget import MEMSW_LIMIT_FILE, BudgetSnapshot, probe_host_budget
 from ..host_memory.ledger import HostLedger, LedgerEntry
 from ..host_memory.plan import (
-    GB_BYTES,
     PoolPlan,
     budget_exceeded_message,
     format_bytes,
     human_bytes,
     plan_pools,
 )
+from .numbers import host_pool_bytes, positive_int, reserve_bytes
 
 EXIT_FITS = 0
 EXIT_DOES_NOT_FIT = 3
-AUTO = "auto"
-
-
-def _gb_to_bytes(text: str, *, allow_zero: bool) -> int:
-    try:
-        gb = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of GB") from None
-    if not math.isfinite(gb * GB_BYTES) or gb < 0 or (gb == 0 and not allow_zero):
-        raise argparse.ArgumentTypeError(
-            f"{text!r} must be a finite number {'>=' if allow_zero else '>'} 0 (of GB)"
-        )
-    return round(gb * GB_BYTES)
-
-
-def host_pool_bytes(text: str) -> int | None:
-    """``--host-pool-gb``: GB (10**9 B) > 0, or ``auto`` (returned as ``None``)."""
-    if text.strip().lower() == AUTO:
-        return None
-    nbytes = _gb_to_bytes(text, allow_zero=False)
-    if nbytes == 0:
-        raise argparse.ArgumentTypeError(f"{text!r} GB rounds to 0 bytes")
-    return nbytes
-
-
-def reserve_bytes(text: str) -> int:
-    """``--reserve-gb``: GB >= 0."""
-    return _gb_to_bytes(text, allow_zero=True)
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
-    return value
 
 
 def register(subparsers: Any) -> None:

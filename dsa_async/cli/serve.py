@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
-import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,64 +24,34 @@ from ..workload.consumer import MAX_COMPUTE_DIM
 from ..workload.conversations import WorkloadSpec
 from ..workload.pagedata import MAX_SEED
 from ..workload.runner import DEFAULT_DEVICE_PAGES, ServeOptions, serve
-from .plan import host_pool_bytes
+from .numbers import (
+    bounded_int,
+    host_pool_bytes,
+    positive_float,
+    positive_int,
+    positive_seconds,
+)
 
 MIN_DEVICE_PAGES = 8
 
 
-#: Every integer option fits 64 bits: tensor sizes and indices are int64.
-INT64_MAX = 2**63 - 1
-
-
-def _number(text: str, *, kind: type, low: float, inclusive: bool, what: str,
-            high: int = INT64_MAX, why: str = "a count that fits 64 bits"):
-    quoted = repr(text) if len(text) <= 40 else f"{text[:20]!r}... ({len(text)} characters)"
-    try:
-        value = kind(text)
-    except ValueError:
-        digits = re.fullmatch(r"\s*([+-]?)[0-9_]+\s*", text) if kind is int else None
-        if digits is None:
-            raise argparse.ArgumentTypeError(f"{quoted} is not {what}") from None
-        value = -math.inf if digits.group(1) == "-" else math.inf  # too many digits for int()
-    if isinstance(value, float) and kind is float and not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"{quoted} must be finite")
-    if value < low or (value == low and not inclusive):
-        raise argparse.ArgumentTypeError(f"{quoted} must be {'>=' if inclusive else '>'} {low:g}")
-    if kind is int and value > high:
-        raise argparse.ArgumentTypeError(f"{quoted} is out of range: use {low:g} to {high} "
-                                         f"({why})")
-    return value
-
-
-def positive_seconds(text: str) -> float:
-    return _number(text, kind=float, low=0, inclusive=False, what="a number of seconds")
-
-
-def positive_float(text: str) -> float:
-    return _number(text, kind=float, low=0, inclusive=False, what="a number")
-
-
-def positive_int(text: str) -> int:
-    return _number(text, kind=int, low=1, inclusive=True, what="an integer")
-
-
 def seed(text: str) -> int:
-    return _number(text, kind=int, low=0, inclusive=True, what="an integer", high=MAX_SEED,
-                   why="a 64-bit seed, what torch's generator takes")
+    return bounded_int(text, low=0, high=MAX_SEED,
+                       why="a 64-bit seed, what torch's generator takes")
 
 
 def compute_dim(text: str) -> int:
-    return _number(text, kind=int, low=1, inclusive=True, what="an integer",
-                   high=MAX_COMPUTE_DIM, why="a [D, D] matrix: D x D elements must fit 64 bits")
+    return bounded_int(text, low=1, high=MAX_COMPUTE_DIM,
+                       why="a [D, D] matrix: D x D elements must fit 64 bits")
 
 
 def port(text: str) -> int:
-    return _number(text, kind=int, low=0, inclusive=True, what="a port number", high=65535,
-                   why="a TCP port; 0 picks a free one")
+    return bounded_int(text, low=0, what="a port number", high=65535,
+                       why="a TCP port; 0 picks a free one")
 
 
 def device_pages(text: str) -> int:
-    return _number(text, kind=int, low=MIN_DEVICE_PAGES, inclusive=True, what="an integer")
+    return bounded_int(text, low=MIN_DEVICE_PAGES)
 
 
 def workload(text: str) -> WorkloadSpec:
