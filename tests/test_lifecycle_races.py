@@ -247,6 +247,50 @@ async def test_a_cancelled_close_still_closes(tmp_path):
     assert HostLedger(tmp_path / "ledger").entries() == ()
 
 
+def _cancel_points() -> list[tuple[int, float]]:
+    """Where a cancel may land in close(): after 0..11 loop turns, then after growing delays."""
+    return [(turns, 0.0) for turns in range(12)] + [(0, 1e-4 * 2**i) for i in range(10)]
+
+
+async def test_close_cancelled_at_any_point_still_returns_everything(tmp_path, caplog):
+    """Wherever the cancel of a timeout around close() lands (in the drain, stopping the lag
+    monitor, closing the engine, returning the reservation), the cancel propagates and
+    close() still returned everything: no ledger entry, no engine thread left, the pool gauges
+    at 0, the arenas dropped; a second close() returns at once."""
+    caplog.set_level(logging.WARNING)
+    for point, (turns, delay_s) in enumerate(_cancel_points()):
+        service, _ = make_service(tmp_path / str(point))
+        await service.start()
+        async with asyncio.timeout(BOUND_S):
+            await service.evict(Pages([0, 1]))  # a little history: the gauges are not 0
+            threads_before = set(threading.enumerate())
+            closing = asyncio.ensure_future(service.close())
+            for _ in range(turns):
+                await asyncio.sleep(0)
+            if delay_s:
+                await asyncio.sleep(delay_s)
+            ended_before_cancel = closing.done()
+            closing.cancel()
+            try:
+                await closing
+            except asyncio.CancelledError:
+                assert not ended_before_cancel
+            await service.close()
+            while any(t.is_alive() and t.name.startswith("dsa-async")
+                      for t in threads_before):  # an engine close cut short goes on alone
+                await asyncio.sleep(0.001)
+        label = f"cancel after {turns} turns, {delay_s} s"
+        assert service.state.value == "closed", label
+        assert HostLedger(tmp_path / str(point) / "ledger").entries() == (), label
+        assert service._pool is None, label
+        get = service.registry.get_sample_value
+        assert {s: get("dsa_async_host_pool_bytes", {"state": s})
+                for s in ("used", "free", "in_flight")} == dict.fromkeys(
+                    ("used", "free", "in_flight"), 0.0), label
+    # the sweep reached the hardest point: a cancel while the engine closed on its thread
+    assert any("cancelled while the cpu engine closed" in r.getMessage() for r in caplog.records)
+
+
 #: Copies queued in one direction behind a producer that never fires: with a check only after
 #: each poll (0.1 s) of the CPU engine they would take 8 s to end, one after the other.
 BLOCKED_COPIES = 80

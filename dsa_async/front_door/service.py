@@ -19,12 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import enum
 import functools
 import logging
 import math
-import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -67,6 +65,7 @@ from ..transfer.buffers import DeviceBuffers, bind_pool
 from ..transfer.handoff import LoopHandoff
 from .producers import NO_PRODUCERS, parse_after
 from .thread_submit import HostCheck, PostedRequest, ThreadInbox
+from .to_the_end import awaited_to_the_end, on_daemon_thread, to_thread_to_the_end
 
 log = logging.getLogger("dsa_async.service")  # the logger name operators configure
 
@@ -186,16 +185,16 @@ class OffloadService:
         size = config.host_pool
         # Each step runs on a worker thread to its end even if start() is cancelled meanwhile
         # (a timeout around it), and what it made is kept, so the failed start returns it.
-        self.plan, self._reservation = await _to_thread_to_the_end(
+        self.plan, self._reservation = await to_thread_to_the_end(
             functools.partial(
                 reserve_host_pools, config.geometries, num_pages=size.pages,
                 requested_bytes=size.bytes, max_pages=size.max_pages, root=config.budget_root,
                 ledger=self._ledger, reserve_bytes=config.reserve_bytes),
             functools.partial(setattr, self, "_reservation"), keep_item=1)
-        self._pool = await _to_thread_to_the_end(
+        self._pool = await to_thread_to_the_end(
             functools.partial(HostPool.create, config.geometries, self.plan.num_pages),
             functools.partial(setattr, self, "_pool"))
-        await _to_thread_to_the_end(
+        await to_thread_to_the_end(
             functools.partial(self._reservation.mark_allocated, self._pool.capacity_bytes))
         bindings = {g.name: bind_pool(g, self._pool.arenas[g.name], self._buffers[g.name])
                     for g in config.geometries}
@@ -211,7 +210,7 @@ class OffloadService:
         factory = self._engine_factory or functools.partial(_make_engine, self.backend, config)
         # Off the loop: the CUDA engine page-locks the arenas here, which takes a while; a
         # cancelled start waits for it, so that it closes what the constructor made.
-        self._engine = await _to_thread_to_the_end(
+        self._engine = await to_thread_to_the_end(
             functools.partial(factory, bindings, handoff, self._on_batch_done,
                               fault_hook=self._fault_hook),
             functools.partial(setattr, self, "_engine"))
@@ -276,10 +275,14 @@ class OffloadService:
     async def _release_resources(self) -> None:
         """Return everything that can be returned, each step whatever the others did: an
         engine that fails to close (e.g. after a sticky device error) is logged, and the pool
-        and the ledger reservation are still returned."""
+        and the ledger reservation are still returned. Cancelled meanwhile (a timeout around
+        close() or start()), it still takes every step, then raises ``CancelledError``; only
+        an engine close still running then is not waited for (a wedged device may never let
+        it end): it goes on on its own thread."""
+        cancelled = False
         if self._lag_monitor is not None:
-            await self._lag_monitor.stop()
-            self._lag_monitor = None
+            monitor, self._lag_monitor = self._lag_monitor, None
+            cancelled |= await awaited_to_the_end(monitor.stop())
         if self._engine is not None:
             engine, self._engine = self._engine, None
             # Copies still blocked on a producer fail now instead of holding engine.close():
@@ -287,7 +290,12 @@ class OffloadService:
             # timeout around it) gets here without one.
             engine.abandon_waits()
             try:
-                await _on_daemon_thread(engine.close, "dsa-async-engine-close")
+                await on_daemon_thread(engine.close, "dsa-async-engine-close")
+            except asyncio.CancelledError:
+                cancelled = True
+                log.warning("close() was cancelled while the %s engine closed; returning the "
+                            "host pool and the ledger reservation without waiting for it",
+                            engine.backend.value)
             except Exception:  # noqa: BLE001 - logged; the rest must still be returned
                 log.exception("close(): the %s engine failed to close; returning the host "
                               "pool and the ledger reservation anyway", engine.backend.value)
@@ -299,7 +307,9 @@ class OffloadService:
         self._pool = None  # the arenas go with the last reference (also after a failed start)
         if self._reservation is not None:
             reservation, self._reservation = self._reservation, None
-            await asyncio.to_thread(reservation.release)
+            cancelled |= await awaited_to_the_end(asyncio.to_thread(reservation.release))
+        if cancelled:
+            raise asyncio.CancelledError
 
     async def __aenter__(self) -> OffloadService:
         return await self.start()
@@ -749,56 +759,3 @@ def _check_handle(host: object) -> None:
         raise ArgumentTypeError(
             f"release takes the HostPages handle of an allocation (a backup's "
             f"result.host_pages, or allocate_host_pages()), got {type(host).__name__}")
-
-
-async def _to_thread_to_the_end(fn: Callable[[], object],
-                                keep: Callable[[object], None] | None = None, *,
-                                keep_item: int | None = None) -> object:
-    """``await`` ``fn()`` on a worker thread; if the awaiting task is cancelled (once or more)
-    meanwhile, still wait for ``fn`` to return, hand what it made to ``keep`` (its element
-    ``keep_item`` if given) so the caller can undo it, then raise ``CancelledError``. Without
-    a cancellation ``fn``'s result or error is returned or raised as by ``asyncio.to_thread``."""
-    work = asyncio.ensure_future(asyncio.to_thread(fn))
-    cancelled = False
-    while not work.done():
-        try:
-            await asyncio.shield(work)
-        except asyncio.CancelledError:
-            cancelled = True
-        except Exception:  # noqa: BLE001 - fn's error: raised below (or dropped if cancelled)
-            break
-    if cancelled:
-        if work.exception() is None and keep is not None:
-            result = work.result()
-            keep(result if keep_item is None else result[keep_item])
-        raise asyncio.CancelledError
-    return work.result()
-
-
-async def _on_daemon_thread(fn: Callable[[], object], name: str) -> object:
-    """``await`` ``fn()`` run on a daemon thread of its own: unlike ``asyncio.to_thread`` (whose
-    workers the interpreter joins at exit), a call that never returns (an engine whose device
-    is wedged) cannot keep the process from exiting."""
-    loop = asyncio.get_running_loop()
-    done = loop.create_future()
-
-    def settle(outcome: tuple[bool, object]) -> None:
-        if done.done():
-            return
-        ok, value = outcome
-        (done.set_result if ok else done.set_exception)(value)
-
-    def run() -> None:
-        try:
-            outcome = (True, fn())
-        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
-            outcome = (False, exc)
-        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
-            loop.call_soon_threadsafe(settle, outcome)
-
-    thread = threading.Thread(target=run, name=name, daemon=True)
-    thread.start()
-    result = await done  # a cancelled wait does not wait for the thread (it may never end)
-    while thread.is_alive():  # it ends right after handing over: gone when this returns
-        await asyncio.sleep(0.001)
-    return result
