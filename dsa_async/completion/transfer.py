@@ -285,7 +285,14 @@ class Transfer:
             self._classify(layer, host_wait_s + waited_s if late else host_wait_s)
 
         try:
-            self._scheduler.engine_wait_layer(handle, layer, remaining_s, classify)
+            if not self._scheduler.engine_wait_layer(handle, layer, remaining_s, classify):
+                # close() ended every copy since the checks above: as if it had ended first
+                if layer < handle.layers_ready:
+                    self._classify(layer, start_wait_s)
+                    return
+                self.result()  # raises its error
+                raise ServiceClosedError(f"layer {layer}: the service closed before the "
+                                         f"prefetch copied it")
         except TimeoutError:
             raise TimeoutError(f"layer {layer} was not ready within {timeout_s} s (the "
                                f"prefetch keeps running)") from None

@@ -64,6 +64,7 @@ class Scheduler:
         self.config = config
         self.pool = pool
         self.engine = engine
+        self._waits_on_device = engine.waits_on_device  # read by threads, also after detach()
         self.metrics = metrics
         self.loop = loop
         #: the loop's thread (made there): loop-only calls from another thread are refused
@@ -505,7 +506,10 @@ class Scheduler:
         lookup)."""
         if handle.allocation_id in self._orphans:
             raise _services_own(handle)
-        self.pool.check_owned(handle)
+        pool = self.pool  # read once: close() may detach it from the loop meanwhile
+        if pool is None:
+            raise ServiceClosedError("the service is closing or closed")
+        pool.check_owned(handle)
 
     # --- cancellation ---------------------------------------------------------------------
 
@@ -625,11 +629,17 @@ class Scheduler:
     def waits_on_device(self) -> bool:
         """Whether a layer wait ends on the device (CUDA: the consumer's stream waits), not by
         blocking the waiting thread until the copy is done (CPU)."""
-        return self.engine.waits_on_device
+        return self._waits_on_device
 
     def engine_wait_layer(self, handle: BatchHandle, layer: int, timeout_s: float | None,
-                          classify: Callable[[bool, float], None]) -> None:
-        self.engine.wait_layer(handle, layer, timeout_s, classify)
+                          classify: Callable[[bool, float], None]) -> bool:
+        """The engine's layer wait (any thread; blocks up to ``timeout_s``); ``False``, having
+        waited for nothing, once close() has detached the engine: every copy has ended then."""
+        engine = self.engine  # read once: close() may detach it from the loop meanwhile
+        if engine is None:
+            return False
+        engine.wait_layer(handle, layer, timeout_s, classify)
+        return True
 
     def _fail_for_producer(self, request: Request, producer: object,
                            failure: BaseException) -> None:
