@@ -24,10 +24,11 @@ and all-reduces acks over TP ranks, so a silent failure would let the ranks dive
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 import torch
 
@@ -52,8 +53,12 @@ def fatal(transfer: Transfer, what: str) -> None:
                                                           "before this copy ran")
     else:
         error = transfer.exception()
-    if error is None:
-        return
+    if error is not None:
+        raise_fatal(error, what)
+
+
+def raise_fatal(error: BaseException, what: str) -> NoReturn:
+    """Log ``error`` of ``what`` as critical and raise it as a ``TransferFailedError``."""
     log.critical("dsa_async: %s failed; SGLang has no per-request abort here and the TP ranks "
                  "must agree, so this is fatal: %r", what, error)
     raise TransferFailedError(f"dsa_async: {what} failed (fatal for this SGLang "
@@ -86,15 +91,18 @@ class _Mark:
             return
         try:
             transfer.wait()
-        except BaseException:  # noqa: BLE001 - reported as fatal below
+        except (Exception, asyncio.CancelledError):  # noqa: BLE001 - reported as fatal below
             pass
         fatal(transfer, self._what)
 
     def elapsed_time(self, end: _Mark) -> float:
-        """Milliseconds the copy took on the device (the service's batch timing)."""
-        transfer = end._transfer if end._transfer is not None else self._transfer
+        """Milliseconds the copy took on the device (the service's batch timing); 0 before it
+        ended. A copy that failed or was cancelled raises as :meth:`query` does."""
+        mark = end if end._transfer is not None else self
+        transfer = mark._transfer
         if transfer is None or not transfer.done():
             return 0.0
+        fatal(transfer, mark._what)
         return transfer.result().device_s * 1e3
 
     def record(self, stream: object = None) -> None:  # noqa: ARG002 - event protocol

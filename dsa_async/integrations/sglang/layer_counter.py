@@ -13,12 +13,14 @@ CUDA (the CPU never blocks on the copy), a blocking wait for the copied layer on
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import torch
 
 from ...completion.transfer import Transfer
-from .engine import fatal
+from ...errors import ServiceClosedError, TransferFailedError
+from .engine import fatal, raise_fatal
 
 NUM_SLOTS = 3  #: SGLang's ring of producer slots (LayerDoneCounter.num_counters)
 
@@ -58,7 +60,7 @@ class _SlotFinish:
         if transfer is not None:
             try:
                 transfer.wait()
-            except BaseException:  # noqa: BLE001 - reported as fatal below
+            except (Exception, asyncio.CancelledError):  # noqa: BLE001 - reported below
                 pass
             fatal(transfer, "a host-to-device load")
 
@@ -83,8 +85,12 @@ class LoadSlot:
         """Order the caller's work after ``layer_index`` of this slot's load (see module
         docstring). Forward thread."""
         transfer = self.transfer
-        if transfer is not None:
+        if transfer is None:
+            return
+        try:
             transfer.wait_layer(layer_index)
+        except (TransferFailedError, ServiceClosedError, asyncio.CancelledError) as exc:
+            raise_fatal(exc, f"a host-to-device load (layer {layer_index})")
 
     @property
     def finish_event(self) -> _SlotFinish:
