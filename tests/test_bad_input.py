@@ -35,6 +35,7 @@ from dsa_async.errors import (
 from dsa_async.front_door.service import OffloadService
 from dsa_async.geometry import dsa_indexer, mla_kv, model_pools
 from dsa_async.host_memory.ledger import HostLedger
+from dsa_async.transfer.buffers import bind_pool, check_disjoint
 
 BOUND_S = 10
 DEVICE_PAGES = 24
@@ -161,10 +162,15 @@ def _released(service, host):
     return release
 
 
-async def _start_with(ctx, *, device: str = "cpu", pages: int = 2):
+async def _start_with(ctx, *, device: str = "cpu", pages: int = 2, shared: str = ""):
     geometry = dsa_indexer(num_layers=2)
     buffers = [torch.zeros(pages, geometry.bytes_per_page_per_layer, dtype=torch.uint8,
                            device=device) for _ in range(2)]
+    if shared == "same-tensor":  # one tensor passed for every layer
+        buffers = [buffers[0]] * 2
+    elif shared == "overlapping-views":  # views of one allocation one page apart, 2 pages long
+        whole = torch.zeros(pages + 1, geometry.bytes_per_page_per_layer, dtype=torch.uint8)
+        buffers = [whole[:pages], whole[1:]]
     config = ServiceConfig(geometries=(geometry,), host_pool=PoolSize(pages=4), backend="cpu",
                            ledger_directory=str(ctx.tmp_path / "start-ledger"))
     service = OffloadService(config, buffers)
@@ -353,6 +359,12 @@ CASES = [
          ("device buffers are on meta", "backend 'cuda'"), service=False),
     Case("config-no-device-pages", lambda ctx: _start_with(ctx, pages=0), ConfigError,
          ("hold no pages", "at least one page"), service=False),
+    Case("config-one-tensor-for-every-layer",
+         lambda ctx: _start_with(ctx, shared="same-tensor"), ConfigError,
+         ("layer 0", "layer 1", "share 16,896 B", "pages of its own"), service=False),
+    Case("config-overlapping-layer-views",
+         lambda ctx: _start_with(ctx, shared="overlapping-views"), ConfigError,
+         ("layer 0", "layer 1", "share 8,448 B", "not the same tensor twice"), service=False),
     Case("config-model", lambda ctx: model_pools("llama"), ConfigError,
          ("'llama'", "deepseek-v3.2"), service=False),
     Case("config-kv-dtype", lambda ctx: mla_kv("fp4"), ConfigError,
@@ -636,3 +648,29 @@ async def test_argument_refusals_show_a_value_whose_repr_fails(tmp_path):
             with pytest.raises(ArgumentTypeError, match=name):
                 call()
         service.release(held)
+
+
+
+def test_device_buffers_that_share_memory_are_refused_wherever_they_meet():
+    """Overlapping layers of one pool, or a layer of one pool on another pool's bytes: refused,
+    naming both and the bytes shared; views of one allocation side by side (a 3-D buffer,
+    adjacent slices) are fine."""
+    indexer, kv = dsa_indexer(num_layers=2), mla_kv(num_layers=2)
+    row, kv_row = indexer.bytes_per_page_per_layer, kv.bytes_per_page_per_layer
+
+    def bound(geometry, layers):
+        host = torch.zeros(geometry.num_layers, 4, geometry.bytes_per_page_per_layer,
+                           dtype=torch.uint8)
+        return bind_pool(geometry, host, layers)
+
+    whole = torch.zeros(8 * row + 8 * kv_row, dtype=torch.uint8)
+    rows = whole[:8 * row].view(8, row)
+    check_disjoint([bound(indexer, torch.zeros(2, 4, row, dtype=torch.uint8))])
+    check_disjoint([bound(indexer, [rows[0:4], rows[4:8]])])
+    with pytest.raises(ConfigError, match="layer 0 and pool 'indexer' layer 1 share 25,344 B"):
+        check_disjoint([bound(indexer, [rows[0:4], rows[1:5]])])
+    start = 8 * row - 100  # the kv pool's first bytes on the indexer's last 100
+    kv_layers = [whole[start + i * 4 * kv_row:start + (i + 1) * 4 * kv_row].view(4, kv_row)
+                 for i in range(2)]
+    with pytest.raises(ConfigError, match=f"layer 1 and pool '{kv.name}' layer 0 share 100 B"):
+        check_disjoint([bound(indexer, [rows[0:4], rows[4:8]]), bound(kv, kv_layers)])

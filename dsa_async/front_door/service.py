@@ -61,7 +61,7 @@ from ..paging.tokens import Pages, paired_page_seqs, tokens_to_page_seq
 from ..scheduling.request import NO_DEADLINE, POSTED, QUEUED, Request
 from ..scheduling.scheduler import HostPressureCallback, Scheduler
 from ..transfer.base import FaultHook, TransferEngine, resolve_backend
-from ..transfer.buffers import DeviceBuffers, bind_pool
+from ..transfer.buffers import DeviceBuffers, bind_pool, check_disjoint
 from ..transfer.handoff import LoopHandoff
 from .producers import NO_PRODUCERS, parse_after
 from .thread_submit import HostCheck, PostedRequest, ThreadInbox
@@ -198,6 +198,7 @@ class OffloadService:
             functools.partial(self._reservation.mark_allocated, self._pool.capacity_bytes))
         bindings = {g.name: bind_pool(g, self._pool.arenas[g.name], self._buffers[g.name])
                     for g in config.geometries}
+        check_disjoint(tuple(bindings.values()))
         self.device_pages = min(b.device_pages for b in bindings.values())
         self._device_token_bound = self.device_pages * config.page_size_tokens
         self._host_token_bound = self._pool.capacity_pages * config.page_size_tokens

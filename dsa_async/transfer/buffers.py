@@ -127,6 +127,30 @@ def bind_pool(geometry: PageGeometry, arena: torch.Tensor, device: DeviceBuffers
     return PoolBinding(geometry, host, tuple(layers), _fused_view(layers))
 
 
+def check_disjoint(bindings: Sequence[PoolBinding]) -> None:
+    """Raise ``ConfigError`` when two layers' device buffers (of one pool or of two) share
+    bytes: each layer's pages must be its own, or copies into one layer overwrite another's
+    (e.g. the same tensor passed for every layer). Views of one allocation that do not
+    overlap (a 3-D buffer) are fine. Tensors without memory (``meta``) are not compared."""
+    spans = []
+    for binding in bindings:
+        for i, t in enumerate(binding.device_layers):
+            if t.device.type == "meta":
+                continue
+            start = t.data_ptr()
+            spans.append((t.device, start, start + t.numel() * t.element_size(),
+                          f"pool {binding.geometry.name!r} layer {i}"))
+    spans.sort(key=lambda span: (str(span[0]), span[1]))
+    for (device_a, _, end_a, what_a), (device_b, start_b, end_b, what_b) in zip(spans,
+                                                                                  spans[1:]):
+        if device_a == device_b and start_b < end_a:
+            raise ConfigError(
+                f"the device buffers of {what_a} and {what_b} share "
+                f"{min(end_a, end_b) - start_b:,} B of "
+                f"memory: every layer needs pages of its own (one tensor per layer, or one "
+                f"[num_layers, pages, bytes] tensor), not the same tensor twice")
+
+
 def wide_view(t: torch.Tensor) -> torch.Tensor:
     """The same bytes as the widest element type that divides rows, strides and alignment.
 
