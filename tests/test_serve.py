@@ -176,6 +176,23 @@ async def test_trace_workload_replays_every_turn(tmp_path, monkeypatch):
     _assert_clean(data)
 
 
+async def test_a_run_in_which_no_forward_step_ran_fails_its_verdict(tmp_path, monkeypatch):
+    """A run that verified nothing (its only turn arrives after the run ends) must not read
+    OK: the verdict says every step ran and every page verified."""
+    monkeypatch.setenv(LEDGER_ENV, str(tmp_path / "ledger"))
+    trace = tmp_path / "late.jsonl"
+    trace.write_text(json.dumps({"arrival_s": 3600, "conversation": "c", "prompt_tokens": 60,
+                                 "output_tokens": 20}) + "\n")
+    args = build_parser().parse_args(
+        ["serve", *SMALL, "--device-pages", "16", "--workload", f"trace:{trace}",
+         "--duration-s", "0.5", "--quiet"])
+    printed = io.StringIO()
+    async with asyncio.timeout(DEADLINE_S):
+        summary = await serve(options_from(args), stdout=printed)
+    assert summary.forward_steps == 0 and not summary.ok
+    assert "verdict: FAILED: no forward step ran, so nothing was verified" in printed.getvalue()
+
+
 def test_bad_trace_line_exits_2_naming_the_line(tmp_path, capsys):
     trace = tmp_path / "bad.jsonl"
     trace.write_text('{"arrival_s": 0, "conversation": 1, "prompt_tokens": 5, "output_tokens": 1}\n'

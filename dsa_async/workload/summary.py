@@ -107,6 +107,9 @@ class ServeSummary:
     def failures(self) -> tuple[str, ...]:
         """Why the run failed; empty when it did not."""
         return tuple(why for bad, why in (
+            (not self.forward_steps, "no forward step ran, so nothing was verified: run longer "
+                                     "(--duration-s), or give a trace whose turns arrive "
+                                     "within the run"),
             (self.failed_steps, f"{self.failed_steps:,} of {self.forward_steps:,} forward steps "
                                 f"failed (first: {self.forward_pass_error})"),
             (self.mismatches, f"{self.mismatches:,} prefetched pages differ from their backup"),
@@ -118,8 +121,8 @@ class ServeSummary:
 
     @property
     def ok(self) -> bool:
-        """Every forward step ran, every prefetched page verified, none mismatched, nothing
-        leaked."""
+        """At least one forward step ran and every one succeeded, every prefetched page
+        verified, none mismatched, nothing leaked."""
         return not self.failures
 
     @classmethod
