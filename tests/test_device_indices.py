@@ -22,7 +22,12 @@ from service_fixtures import PAGE, LateIndexEngine, make_buffers, page_bytes, to
 
 from dsa_async import Pages
 from dsa_async.config import PoolSize, ServiceConfig
-from dsa_async.errors import IndexTypeError, IndexValueError, TransferFailedError
+from dsa_async.errors import (
+    IndexTypeError,
+    IndexValueError,
+    TransferFailedError,
+    UnknownHostPagesError,
+)
 from dsa_async.front_door.service import OffloadService
 from dsa_async.geometry import dsa_indexer, mla_kv
 from dsa_async.transfer.cpu import CpuEngine
@@ -265,3 +270,31 @@ async def test_a_backup_of_unknown_pages_waits_for_an_earlier_load_into_a_page(t
         result = await backup
         assert _backed_up_as(service, result, loaded)
         assert service.statistics().in_flight_pages == 0
+
+
+class _CountingStages(LateIndexEngine):
+    staged = 0
+
+    def stage_indices(self, tensor, producers):
+        type(self).staged += 1
+        return super().stage_indices(tensor, producers)
+
+
+async def test_a_loop_request_refused_after_taking_threads_handoffs_stages_nothing(tmp_path):
+    """A loop prefetch naming a hand-off not taken yet in after= takes the hand-offs first;
+    when one of them was the release of the host pages it names, it is refused before its
+    device indices are staged for a copy (a refusal changes nothing, and wastes nothing)."""
+    service, _ = _service(tmp_path, engine=_CountingStages)
+    async with service:
+        held, other = service.allocate_host_pages(1), service.allocate_host_pages(1)
+        async with asyncio.timeout(BOUND_S):
+            # Hand-offs as a thread makes them; made here, on the loop, they are surely not
+            # taken yet when the prefetch below comes.
+            backup = service.evict_threadsafe(tokens([2]), host_tokens=other.token_indices())
+            service.release_threadsafe(held)
+            before = _CountingStages.staged
+            with pytest.raises(UnknownHostPagesError, match="host pages"):
+                service.prefetch(None, torch.arange(3 * PAGE, 4 * PAGE),
+                                 host_tokens=held.token_indices(), after=backup)
+            assert _CountingStages.staged == before
+            await backup

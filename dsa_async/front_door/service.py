@@ -360,7 +360,7 @@ class OffloadService:
             transfer, loop_producers = self._prepare_evict(
                 scheduler, device_tokens, host_tokens, after, priority, self._captured,
                 on_loop=True)
-            self._accept_on_loop(scheduler, transfer._request, loop_producers)
+            self._accept(scheduler, transfer._request, loop_producers)
         finally:
             self._inbox.end_loop_admission()
         return transfer
@@ -381,7 +381,7 @@ class OffloadService:
             transfer, loop_producers = self._prepare_prefetch(
                 scheduler, host, device_tokens, host_tokens, after, deadline_s, priority,
                 self._captured, on_loop=True)
-            self._accept_on_loop(scheduler, transfer._request, loop_producers)
+            self._accept(scheduler, transfer._request, loop_producers)
         finally:
             self._inbox.end_loop_admission()
         return transfer
@@ -611,6 +611,8 @@ class OffloadService:
             raise ServiceClosedError("the service is closing or closed")
         producers = NO_PRODUCERS if after is None else parse_after(
             after, engine=engine, scheduler=scheduler, loop=self._loop)
+        if on_loop and producers.deps and any(dep.state is POSTED for dep in producers.deps):
+            self._take_handoffs_first(scheduler, host_pages, owns_host)
         # Every copy also waits for the submitting thread's work so far (CUDA: its current
         # stream), captured here, on that thread, before any hand-off to the loop.
         if captured is _NOT_CAPTURED:
@@ -634,18 +636,17 @@ class OffloadService:
             request.follow((dep, True) for dep in producers.deps)
         return Transfer(request, scheduler), producers.loop
 
-    def _accept_on_loop(self, scheduler: Scheduler, request: Request,
-                        loop_producers: tuple[object, ...]) -> None:
-        """:meth:`_accept` for a loop submission. One that names in ``after=`` a Transfer a
-        thread handed over and the loop has not taken yet takes the threads' hand-offs first
-        (they were made before it): that request is then in the page table before this one,
-        which follows it, instead of the two waiting for each other."""
-        if request.deps and any(dep.state is POSTED for dep, _ in request.deps):
-            self._inbox.drain()
-            if request.host_pages is not None and not request.owns_host:
-                # a release just taken may have freed host pages this request names
-                scheduler.check_host_tokens(request.host_pages, "host pages")
-        self._accept(scheduler, request, loop_producers)
+    def _take_handoffs_first(self, scheduler: Scheduler, host_pages: PageSeq | None,
+                             owns_host: bool) -> None:
+        """A loop submission that names in ``after=`` a Transfer a thread handed over and the
+        loop has not taken yet takes the threads' hand-offs first (they were made before it):
+        that request is then in the page table before this one, which follows it, instead of
+        the two waiting for each other. Before anything is staged for the copy, so that a
+        refusal here (a release just taken freed host pages this request names) wastes
+        nothing."""
+        self._inbox.drain()
+        if host_pages is not None and not owns_host:
+            scheduler.check_host_tokens(host_pages, "host pages")
 
     @staticmethod
     def _accept(scheduler: Scheduler, request: Request, loop_producers: tuple[object, ...]
