@@ -237,7 +237,12 @@ def test_alert_rule_unit_tests_pass():
         # Rules that never fire on the firing cases.
         ("< 0.10", "< 0.01"),
         ("> 0.20", "> 0.50"),
-        ("min_over_time(dsa_async_queue_depth[5m]) > 0", "min_over_time(dsa_async_queue_depth[5m]) > 5"),
+        ("[5m:30s]) > 0", "[5m:30s]) > 5"),
+        # ... or that miss requests the engine holds (only the loop's queue)
+        ("(dsa_async_queue_depth + dsa_async_inflight_requests)", "(dsa_async_queue_depth)"),
+        # ... or requests moving between the two (the sum's minimum, not the minimums' sum)
+        ("min_over_time((dsa_async_queue_depth + dsa_async_inflight_requests)[5m:30s])",
+         "(min_over_time(dsa_async_queue_depth[5m]) + min_over_time(dsa_async_inflight_requests[5m]))"),
         ("increase(dsa_async_transfer_errors_total[5m]) > 0", "increase(dsa_async_transfer_errors_total[5m]) > 5"),
         # Rules that also fire on the quiet cases.
         ("< 0.10", "< 0.60"),

@@ -8,7 +8,7 @@ Conventions (DESIGN.md, section 6):
 * prefix ``dsa_async_``, base units (bytes, seconds), ``_total`` on counters;
 * label values come only from the enums in :mod:`dsa_async.kinds`; never page, layer or request
   ids;
-* histograms (not summaries) with buckets from 10 µs to 10 s;
+* histograms (not summaries) with buckets from 10 µs to 250 s;
 * every label child is bound in the constructor, so every series exists, at zero, at the first
   scrape, and dashboards never show "no data" for a direction that simply has not moved yet.
 
@@ -43,8 +43,9 @@ _log = logging.getLogger("dsa_async.metrics")  # the logger name operators confi
 
 PREFIX = "dsa_async_"
 
-#: Histogram buckets for every duration, 10 µs to 10 s in 1-2.5-5 steps. A single page copy over
-#: PCIe takes a few µs, a large batch tens of ms, a stalled request seconds.
+#: Histogram buckets for every duration, 10 µs to 250 s in 1-2.5-5 steps. A single page copy over
+#: PCIe takes a few µs, a large batch tens of ms; a request that waits for a producer, or for a
+#: drain at close (30 s by default), may take minutes, and its percentile must not stop at 10 s.
 DURATION_BUCKETS_S: tuple[float, ...] = (
     1e-5, 2.5e-5, 5e-5,
     1e-4, 2.5e-4, 5e-4,
@@ -52,7 +53,8 @@ DURATION_BUCKETS_S: tuple[float, ...] = (
     1e-2, 2.5e-2, 5e-2,
     0.1, 0.25, 0.5,
     1.0, 2.5, 5.0,
-    10.0,
+    10.0, 25.0, 50.0,
+    100.0, 250.0,
 )  # fmt: skip
 
 
@@ -244,7 +246,17 @@ class ServiceMetrics:
         self._inflight_bytes = per_direction(
             Gauge(
                 PREFIX + "inflight_bytes",
-                "Bytes of copies submitted to the device and not yet complete, by direction.",
+                "Bytes of requests handed to the copy engine and not yet ended (copying, or "
+                "waiting there for their producers or the copies they follow), by direction.",
+                ["direction"],
+                registry=reg,
+            )
+        )
+        self._inflight_requests = per_direction(
+            Gauge(
+                PREFIX + "inflight_requests",
+                "Requests handed to the copy engine and not yet ended (copying, or waiting "
+                "there for their producers or the copies they follow), by direction.",
                 ["direction"],
                 registry=reg,
             )
@@ -356,9 +368,15 @@ class ServiceMetrics:
         _pick(self._queue_depth, direction, "direction").set(requests)
 
     def set_inflight_bytes(self, direction: Direction, nbytes: int) -> None:
-        """Set how many bytes of ``direction`` copies are submitted and not complete. Non-blocking."""
+        """Set how many bytes of ``direction`` requests are in the engine, not ended.
+        Non-blocking."""
         _non_negative("nbytes", nbytes)
         _pick(self._inflight_bytes, direction, "direction").set(nbytes)
+
+    def set_inflight_requests(self, direction: Direction, requests: int) -> None:
+        """Set how many ``direction`` requests are in the engine, not ended. Non-blocking."""
+        _non_negative("requests", requests)
+        _pick(self._inflight_requests, direction, "direction").set(requests)
 
     # --- host pool -----------------------------------------------------------------------------
 

@@ -79,6 +79,8 @@ class Scheduler:
         self._queue_sorted = {d: True for d in Direction}  # appended in order: no sort needed
         self.inflight_bytes = {d: 0 for d in Direction}
         self.inflight_requests = 0
+        #: the same per direction (the in-flight requests gauge)
+        self.inflight_requests_in = {d: 0 for d in Direction}
         self.hazards = HazardTable(pool.capacity_pages)
         self._batches: dict[BatchHandle, list[Request]] = {}
         self._host_wait_since: dict[Request, float] = {}
@@ -345,8 +347,9 @@ class Scheduler:
             if pending_layers:
                 for layer, future in pending_layers.pop(request, ()):
                     self._watch_layer(handle, layer, future)
-        self.inflight_bytes[direction] += nbytes  # the gauge follows in publish_state()
+        self.inflight_bytes[direction] += nbytes  # the gauges follow in publish_state()
         self.inflight_requests += len(requests)
+        self.inflight_requests_in[direction] += len(requests)
 
     # --- completion -----------------------------------------------------------------------
 
@@ -393,6 +396,7 @@ class Scheduler:
         self._check_idle()
         self.inflight_bytes[direction] -= nbytes
         self.inflight_requests -= len(requests)
+        self.inflight_requests_in[direction] -= len(requests)
         moved = error is None  # padding counts only where the padded bytes moved
         for outcome, (latencies, paddings) in ended.items():
             self.metrics.record_requests(direction, outcome, latencies,
@@ -671,6 +675,7 @@ class Scheduler:
         for direction in Direction:
             metrics.set_queue_depth(direction, len(self.queues[direction]))
             metrics.set_inflight_bytes(direction, self.inflight_bytes[direction])
+            metrics.set_inflight_requests(direction, self.inflight_requests_in[direction])
         stats = self.pool.statistics()
         bpp = self.bytes_per_page
         metrics.set_host_pool(
@@ -701,6 +706,7 @@ class Scheduler:
             for request in requests:
                 self.inflight_bytes[direction] -= request.nbytes
                 self.inflight_requests -= 1
+                self.inflight_requests_in[direction] -= 1
                 self.finish(request, FAILED, error=ServiceClosedError(
                     f"the service closed before the engine reported this {direction.value} "
                     f"copy of {request.num_pages} pages (the engine failed or hung)"))
@@ -725,6 +731,7 @@ class Scheduler:
         for direction in Direction:
             self.metrics.set_queue_depth(direction, 0)
             self.metrics.set_inflight_bytes(direction, 0)
+            self.metrics.set_inflight_requests(direction, 0)
         self.metrics.set_host_pool(used_bytes=0, free_bytes=0, in_flight_bytes=0,
                                    capacity_bytes=0)
         self.pool = self.engine = None
