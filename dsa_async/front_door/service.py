@@ -283,7 +283,10 @@ class OffloadService:
         cancelled = False
         if self._lag_monitor is not None:
             monitor, self._lag_monitor = self._lag_monitor, None
-            cancelled |= await awaited_to_the_end(monitor.stop())
+            try:
+                cancelled |= await awaited_to_the_end(monitor.stop())
+            except Exception:  # noqa: BLE001 - logged; the rest must still be returned
+                log.exception("close(): the event-loop lag monitor failed to stop")
         if self._engine is not None:
             engine, self._engine = self._engine, None
             # Copies still blocked on a producer fail now instead of holding engine.close():
