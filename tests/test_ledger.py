@@ -1,8 +1,12 @@
+import fcntl
 import json
 import os
+import signal
 import stat
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -323,6 +327,9 @@ def test_symlinked_ledger_file_is_refused(tmp_path, ledger_dir):
             {"schema": LEDGER_SCHEMA, "entries": [entry("x", 1, 1, reserved_bytes=1, allocated_bytes=2)]}
         ),
         "[" * 100_000,
+        json.dumps({"schema": LEDGER_SCHEMA, "entries": [entry("a\u0000b", 1, 1)]}),
+        json.dumps({"schema": LEDGER_SCHEMA, "entries": [entry("x" * 300, 4_000_000, 1)]}),
+        json.dumps({"schema": LEDGER_SCHEMA, "entries": [entry("../ledger", 1, 1)]}),
     ],
     ids=[
         "not-json",
@@ -336,6 +343,9 @@ def test_symlinked_ledger_file_is_refused(tmp_path, ledger_dir):
         "bool-as-int",
         "allocated-over-reserved",
         "deeply-nested",
+        "id-with-a-nul",  # no owner lock file can have that name: a crash, not a refusal
+        "id-too-long-for-a-file-name",  # its owner lock cannot be opened: kept forever
+        "id-naming-another-file",
     ],
 )
 def test_corrupt_or_foreign_ledger_is_a_clear_error(ledger_dir, content):
@@ -431,3 +441,64 @@ def test_a_killed_owner_is_dropped_even_if_its_pid_looks_alive(root, ledger_dir)
     (ledger_dir / "ledger.json").write_text(json.dumps(
         {"schema": LEDGER_SCHEMA, "entries": [entry_json]}))
     assert HostLedger(ledger_dir).entries() == ()
+
+
+def test_a_ledger_that_cannot_be_written_is_a_ledger_error_leaving_no_owner_lock(ledger_dir):
+    """A full or read-only file system: a LedgerError naming the file and what to change; the
+    owner lock of the reservation that was never written is closed and removed."""
+    ledger = HostLedger(ledger_dir)
+    ledger.entries()  # the directory exists
+    blocker = ledger_dir / f".ledger.json.{os.getpid()}.{threading.get_ident()}.tmp"
+    blocker.mkdir()  # the temporary file cannot be created: as on a full /dev/shm
+    fds_before = set(os.listdir("/proc/self/fd"))
+    with pytest.raises(LedgerError, match=r"cannot write the host-memory ledger .*DSA_ASYNC_LEDGER"):
+        ledger.reserve(GIB, label="never written")
+    assert not list(ledger_dir.glob("owner-*.lock"))
+    assert set(os.listdir("/proc/self/fd")) <= fds_before
+    blocker.rmdir()
+    assert ledger.entries() == ()
+
+
+def _lock_is_free(path) -> bool:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+    return True
+
+
+def test_a_process_forked_during_a_transaction_does_not_keep_the_ledger_locked(ledger_dir):
+    """A server forks workers while a start reserves on another thread: the child must not
+    share the transaction's flock for its life, or every start and close on the machine waits
+    for it to exit."""
+    ledger = HostLedger(ledger_dir)
+    inside, leave = threading.Event(), threading.Event()
+
+    def transaction():
+        with ledger.transaction():
+            inside.set()
+            leave.wait(10)
+
+    holder = threading.Thread(target=transaction)
+    holder.start()
+    assert inside.wait(10)
+    child = os.fork()
+    if child == 0:  # the child lives on, doing nothing with the ledger
+        time.sleep(30)
+        os._exit(0)
+    try:
+        leave.set()
+        holder.join(10)
+        # The child closes its copy first thing after the fork, once it is scheduled; without
+        # that it would hold the lock for the 30 s it lives.
+        deadline = time.monotonic() + 10
+        while not _lock_is_free(ledger.lock_path):
+            assert time.monotonic() < deadline, "the forked child keeps the ledger locked"
+            time.sleep(0.01)
+        assert ledger.reserve(GIB, label="after the fork").reserved_bytes == GIB
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)

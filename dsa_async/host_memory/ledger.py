@@ -18,7 +18,8 @@ when the process dies. Locks are seen across PID namespaces (containers sharing 
 where the pid means nothing to a reader's ``/proc``. An entry without an owner lock (written by
 hand, or by an older writer) falls back to the pid: no such pid, a zombie, or a pid reused by a
 process with a different start time is gone. A child forked from the owner inherits its lock
-and keeps the reservation alive while it runs; it never releases it.
+and keeps the reservation alive while it runs; it never releases it. A child forked while a
+transaction holds the ledger lock closes its copy at once, so it cannot stall other processes.
 
 Every call here blocks on file I/O and on the lock; call it from a worker thread, never from the
 event loop.
@@ -30,11 +31,12 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import stat
 import tempfile
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -47,6 +49,44 @@ LEDGER_SCHEMA = "dsa_async.ledger/1"
 _DEAD_STATES = frozenset("ZX")  # zombie / dead: the process no longer holds memory
 _ENTRY_INT_FIELDS = ("pid", "start_time_ticks", "reserved_bytes", "allocated_bytes")
 _ENTRY_FIELDS = frozenset(("id", "label") + _ENTRY_INT_FIELDS)
+
+
+#: An entry id: what ``uuid4().hex`` writes; anything else would not name an owner lock file.
+_ENTRY_ID = re.compile(r"[0-9A-Za-z_-]{1,64}")
+
+#: Descriptors that hold a flock for a moment only: the ledger lock during a transaction, a gone
+#: owner's lock while it is probed. A flock belongs to the open file, which fork() shares, so a
+#: child forked meanwhile (a server starting workers) would hold it for its whole life and stall
+#: every start and close on the machine. Children close them first thing; fork waits while one
+#: is being opened or closed (``_FORK_GUARD``), so no descriptor slips between the two.
+_TRANSIENT_FDS: set[int] = set()
+_FORK_GUARD = threading.Lock()
+
+
+def _close_transient_fds_in_child() -> None:
+    for fd in _TRANSIENT_FDS:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _TRANSIENT_FDS.clear()
+    _FORK_GUARD.release()  # taken by the forking thread, which is this one
+
+
+os.register_at_fork(before=_FORK_GUARD.acquire, after_in_parent=_FORK_GUARD.release,
+                    after_in_child=_close_transient_fds_in_child)
+
+
+def _open_transient(opener: Callable[[], int]) -> int:
+    """``opener()``'s descriptor, registered as transient before any fork can copy it."""
+    with _FORK_GUARD:
+        fd = opener()
+        _TRANSIENT_FDS.add(fd)
+    return fd
+
+
+def _close_transient(fd: int) -> None:
+    with _FORK_GUARD:
+        _TRANSIENT_FDS.discard(fd)
+        os.close(fd)
 
 
 def default_ledger_directory() -> Path:
@@ -111,6 +151,7 @@ class LedgerTransaction:
         self._ledger = ledger
         self._entries = entries
         self.dirty = dirty
+        self._added: list[tuple[str, int]] = []  # (entry id, owner lock fd) of add()
 
     @property
     def entries(self) -> tuple[LedgerEntry, ...]:
@@ -127,8 +168,18 @@ class LedgerTransaction:
         entry = LedgerEntry(uuid.uuid4().hex, pid, start_time_ticks, str(label), reserved_bytes, 0)
         owner_fd = self._ledger._hold_owner_lock(entry.entry_id)
         self._entries.append(entry)
+        self._added.append((entry.entry_id, owner_fd))
         self.dirty = True
         return Reservation(self._ledger, entry, owner_fd)
+
+    def _drop_added(self) -> None:
+        """The transaction failed before its entries were written: close and remove the owner
+        locks :meth:`add` took (nobody holds their reservations)."""
+        for entry_id, fd in self._added:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._ledger._owner_lock_path(entry_id))
+            os.close(fd)
+        self._added.clear()
 
     def _set_allocated(self, entry_id: str, allocated_bytes: int) -> bool:
         for i, entry in enumerate(self._entries):
@@ -259,8 +310,9 @@ class HostLedger:
         if getattr(self._local, "active", False):
             raise LedgerError(f"{self.path}: a ledger transaction is already open on this thread")
         self._ensure_directory()
-        lock_fd = self._open_checked(self.lock_path, create=True)
+        lock_fd = _open_transient(lambda: self._open_checked(self.lock_path, create=True))
         self._local.active = True
+        txn = None
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX)
             stored = self._load()
@@ -269,9 +321,13 @@ class HostLedger:
             yield txn
             if txn.dirty:
                 self._store(txn.entries)
+        except BaseException:
+            if txn is not None:
+                txn._drop_added()  # never written: their owner locks go too
+            raise
         finally:
             self._local.active = False
-            os.close(lock_fd)  # closing the descriptor drops the flock
+            _close_transient(lock_fd)  # closing the descriptor drops the flock
 
     # --- internals ---------------------------------------------------------------------------
 
@@ -306,7 +362,8 @@ class HostLedger:
         lock of a gone owner (under the ledger lock; ``peek`` writes nothing)."""
         path = self._owner_lock_path(entry.entry_id)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+            fd = _open_transient(lambda: os.open(
+                path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK))
         except FileNotFoundError:
             return read_process_start_ticks(entry.pid, self.proc_root) == entry.start_time_ticks
         except OSError:
@@ -323,7 +380,7 @@ class HostLedger:
                     os.unlink(path)
             return False
         finally:
-            os.close(fd)
+            _close_transient(fd)
 
     def _unsafe(self, what: str, path: Path, why: str, fix: str) -> LedgerError:
         return LedgerError(f"host-memory ledger {what} {path} {why}; {fix}")
@@ -440,6 +497,9 @@ class HostLedger:
                 raise self._corrupt(f"entry {index}: {key} is not an int >= 0")
         if not isinstance(item["id"], str) or not isinstance(item["label"], str):
             raise self._corrupt(f"entry {index}: id and label must be strings")
+        if not _ENTRY_ID.fullmatch(item["id"]):
+            raise self._corrupt(f"entry {index}: id {shown(item['id'])} is not 1 to 64 letters, "
+                                f"digits, '_' or '-'")
         if item["allocated_bytes"] > item["reserved_bytes"]:
             raise self._corrupt(f"entry {index}: allocated_bytes exceeds reserved_bytes")
         return LedgerEntry(
@@ -456,13 +516,21 @@ class HostLedger:
             {"schema": LEDGER_SCHEMA, "entries": [e.to_json() for e in entries]}, indent=1
         )
         tmp = self.directory / f".{LEDGER_FILE_NAME}.{os.getpid()}.{threading.get_ident()}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                os.fchmod(f.fileno(), 0o600)
-                f.write(payload)
-            os.replace(tmp, self.path)  # readers see the old file or the new one, never half
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         0o600)
+            try:
+                with os.fdopen(fd, "w", encoding="utf-8") as f:
+                    os.fchmod(f.fileno(), 0o600)
+                    f.write(payload)
+                os.replace(tmp, self.path)  # readers see the old file or the new one, never half
+            except BaseException:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+                raise
+        except OSError as exc:  # a full or read-only file system, a file size limit
+            raise LedgerError(
+                f"cannot write the host-memory ledger {self.path}: {exc.strerror or exc} "
+                f"({type(exc).__name__}); free space there (df {self.directory}) or set "
+                f"${LEDGER_ENV} (or ServiceConfig.ledger_directory) to a writable private "
+                f"directory") from exc
