@@ -36,8 +36,8 @@ from dsa_async.cli import bench as cli_bench
 from dsa_async.cli import main
 from dsa_async.cli.bench import QUICK_PAIRS
 from dsa_async.geometry import dsa_indexer
-from dsa_async.kinds import Backend
-from dsa_async.transfer.batch import CopyBatch
+from dsa_async.kinds import Backend, Direction
+from dsa_async.transfer.batch import BatchHandle, CopyBatch
 from dsa_async.transfer.cpu import CpuEngine
 
 #: 4 layers of 8,448 B pages: a figure of 1 MiB is 32 pages, fast enough for unit tests.
@@ -231,6 +231,29 @@ async def test_a_copy_that_moves_the_wrong_bytes_is_never_reported():
                        figure_bytes=TINY_BYTES)
     with pytest.raises(CopyVerificationError, match="differ"):
         await asyncio.to_thread(copy_scenarios.copy_extents, ctx)
+    assert ctx.verified == []
+
+
+class SkipsDependentLoads(CpuEngine):
+    """Reports a load that waits for a backup as done without copying: half the round trip."""
+
+    def submit(self, batch: CopyBatch):
+        if batch.direction is Direction.H2D and batch.deps:
+            handle = BatchHandle(batch, self.num_layers)
+            self._report(handle, handle.finish(None, 0.0))
+            return handle
+        return super().submit(batch)
+
+
+@pytest.mark.parametrize("scenario", [copy_scenarios.copy_extents, copy_scenarios.copy_random3d,
+                                      copy_scenarios.copy_random3d_over_random])
+async def test_a_round_trip_that_skips_its_load_is_never_reported(scenario):
+    """The check runs the call the figures time (a load after its backup), on every page."""
+    ctx = BenchContext(device=BenchDevice(Backend.CPU), engine_class=SkipsDependentLoads,
+                       loop=asyncio.get_running_loop(), geometry=TINY_GEOMETRY, pairs=MIN_PAIRS,
+                       figure_bytes=TINY_BYTES)
+    with pytest.raises(CopyVerificationError, match="H2D"):
+        await asyncio.to_thread(scenario, ctx)
     assert ctx.verified == []
 
 

@@ -69,6 +69,15 @@ def fill_pattern(t: torch.Tensor, start: int) -> None:
     torch.arange(start, start + words.numel(), dtype=torch.int64, device=t.device, out=words)
 
 
+def load_pages(device_pages: np.ndarray) -> np.ndarray:
+    """The device pages a round trip's prefetch loads the batch's host pages into: each pair's
+    device page one run (``RUN_PAGES``) further on in the batch, wrapping; one page further on
+    in a batch of one run or less. Extent runs stay runs; random pages stay random."""
+    n = device_pages.size
+    shift = RUN_PAGES if n > RUN_PAGES else 1
+    return np.roll(device_pages, -shift) if n > 1 else device_pages
+
+
 def _ignore(_handle: BatchHandle) -> None:
     pass
 
@@ -142,15 +151,34 @@ class CopyRig:
         self._wait([self.engine.submit(CopyBatch(direction, h, d)) for h, d in chunks])
 
     def round_trip(self, batch_pages: int | None = None) -> None:
-        """Evict (D2H) then prefetch (H2D) the same pages; returns when both are complete."""
+        """Evict (D2H) then prefetch (H2D, after it) the same pages; returns when both are
+        complete. The prefetch loads each host page into the device page one run further on
+        in its batch (:func:`load_pages`): the same pages and the same kind of pairs, but a
+        load that did not happen shows in :meth:`verify_round_trip`."""
         handles = []
         for h, d in self._chunks(batch_pages):
             out = self.engine.submit(CopyBatch(Direction.D2H, h, d))
             back = self.engine.submit(
-                CopyBatch(Direction.H2D, h, d, deps=(Dependency(out, needs_data=True),))
+                CopyBatch(Direction.H2D, h, load_pages(d), deps=(Dependency(out, needs_data=True),))
             )
             handles += [out, back]
         self._wait(handles)
+
+    def verify_round_trip(self, label: str) -> None:
+        """Check every byte of one :meth:`round_trip`, the call the copy figures time: each
+        host page must hold its device page's bytes from before, and each device page of the
+        load those of the page one run back (which it did not hold before)."""
+        every = torch.from_numpy(self.device_pages)
+        before = self._device_rows(every)
+        self.round_trip()
+        if not torch.equal(self.binding.host[:, torch.from_numpy(self.host_pages)], before):
+            raise CopyVerificationError(f"{label}: after the round trip's D2H, the host pages "
+                                        f"differ from the device pages they back up")
+        loaded = self._device_rows(torch.from_numpy(load_pages(self.device_pages)))
+        if not torch.equal(loaded, before):
+            raise CopyVerificationError(f"{label}: after the round trip's H2D, the device pages "
+                                        f"differ from the host pages loaded into them")
+        self.ctx.verified.append(label)
 
     def _wait(self, handles: list[BatchHandle]) -> None:
         for handle in handles:

@@ -69,7 +69,7 @@ def _ratio_to_contiguous(ctx: BenchContext, pattern: PagePattern, layout: Device
                      f"per direction, {ctx.pairs} pairs")
         timings = interleaved_pairs(reference.round_trip, rig.round_trip, ctx.pairs)
         del reference
-        rig.verify(target.name)
+        rig.verify_round_trip(target.name)
         results = {target.name: timings.speedup()}
         if with_token_baseline:
             token = TokenGranularCopy(rig)
@@ -108,6 +108,6 @@ def copy_random3d_over_random(ctx: BenchContext) -> dict[str, float]:
         ctx.progress(f"{RANDOM_3D_OVER_RANDOM.name}: {fused.num_pages} pages each, "
                      f"{ctx.pairs} pairs")
         timings = interleaved_pairs(separate.round_trip, fused.round_trip, ctx.pairs)
-        separate.verify(f"{RANDOM_3D_OVER_RANDOM.name} (separate)")
-        fused.verify(f"{RANDOM_3D_OVER_RANDOM.name} (fused)")
+        separate.verify_round_trip(f"{RANDOM_3D_OVER_RANDOM.name} (separate)")
+        fused.verify_round_trip(f"{RANDOM_3D_OVER_RANDOM.name} (fused)")
     return {RANDOM_3D_OVER_RANDOM.name: timings.speedup()}

@@ -92,8 +92,9 @@ def format_table(run: BenchRun, targets: Mapping[str, Target]) -> str:
     m = run.machine
     lines += [
         "",
-        (f"ratios: median of {m.get('pairs')} interleaved pairs, >= "
-         f"{m.get('figure_bytes', 0):,} B per figure; backend {m.get('backend')} "
+        (f"ratios: median of {m.get('pairs')} interleaved pairs unless the definition says "
+         f"otherwise, >= {m.get('figure_bytes', 0):,} B per copy figure; backend "
+         f"{m.get('backend')} "
          f"({m.get('device_name')}), {m.get('threads')} torch threads, {m.get('usable_cpus')} "
          f"CPUs, torch {m.get('torch_version')}; {run.elapsed_s:.1f} s"),
     ]
@@ -101,6 +102,8 @@ def format_table(run: BenchRun, targets: Mapping[str, Target]) -> str:
         lines.append(warning)
     for scenario, message in run.errors.items():
         lines.append(f"FAILED {scenario}: {message}")
+    if run.verified:
+        lines.append("bytes checked after measuring: " + "; ".join(run.verified))
     lines.append("")
     lines.append("definitions:")
     for name in figure_names(run, targets):
@@ -129,6 +132,7 @@ def to_json(run: BenchRun, targets: Mapping[str, Target]) -> dict[str, Any]:
         },
         "machine": {**run.machine, "elapsed_s": round(run.elapsed_s, 3)},
     }
+    out["verified"] = list(run.verified)  # cases whose moved bytes were compared
     if run.errors:
         out["errors"] = dict(run.errors)
     if run.series:

@@ -82,7 +82,7 @@ def _python_reference_us(tensors: list[torch.Tensor]) -> float:
             slot = _Slot()
             slot.first = tensor.numpy().item(0)
             slot.pages = range(i, i + 3)
-            slot.waiters = [slot]
+            slot.waiters = [i]  # not the slot itself: a cycle only the collector frees
             slot.key = (-i, i)
             table[i & 15] = slot  # few survivors: the collector's work would be noise here
     return (time.perf_counter() - started) / (3 * len(tensors)) * 1e6
@@ -145,7 +145,7 @@ def _calibrated_compute(target_s: float, layers: int) -> tuple[torch.Tensor, int
 
 async def _overlap(ctx: BenchContext) -> float:
     g = ctx.geometry
-    pages = max(16, ctx.figure_bytes // g.bytes_per_page)
+    pages = max(16, -(-ctx.figure_bytes // g.bytes_per_page))  # at least figure_bytes
     service, device = bench_service(ctx, pages, ctx.engine_class, pages)
     async with service:
         backup = await service.evict(torch.arange(0, pages * g.page_size_tokens))
