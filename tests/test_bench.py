@@ -167,7 +167,8 @@ def test_json_report_has_results_targets_and_machine():
     run = _run({"copy.extents.ratio_to_contiguous": 0.9, "pool.startup_ratio_to_first_touch": 1.5,
                 "pool.startup_s": 0.05, "scheduler.test_us": 7.0})
     data = json.loads(json.dumps(to_json(run, targets), allow_nan=False))
-    assert set(data) == {"results", "targets", "machine"}
+    assert set(data) == {"results", "targets", "machine", "verified"}
+    assert data["verified"] == list(run.verified)
     assert data["results"]["copy.extents.ratio_to_contiguous"] == 0.9
     for key in ("cpu_count", "torch_version", "threads", "backend", "device_name"):
         assert key in data["machine"]
