@@ -10,6 +10,7 @@ contracts (``normalize_after`` accepts exactly events and streams).
 
 from __future__ import annotations
 
+import queue
 import threading
 
 import numpy as np
@@ -201,3 +202,51 @@ def test_normalize_after_accepts_only_cuda_events_and_streams(bad):
     engine = CudaEngine.__new__(CudaEngine)
     with pytest.raises(TypeError, match=r"torch\.cuda\.Event.*torch\.cuda\.Stream"):
         engine.normalize_after(bad)
+
+
+class StickyErrorEvent(FakeEvent):
+    """An event whose query() raises, as after a sticky device error on its stream."""
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+class SyncedEvent(FakeEvent):
+    def synchronize(self) -> None:
+        return None
+
+
+def test_a_device_error_while_recycling_still_ends_the_batch_and_keeps_the_thread(
+        consumer, monkeypatch):
+    """The completion thread reports the batch whatever recycling its events does (a sticky
+    device error makes query() raise), and goes on with the next batch: its requests end and
+    layer waits are classified, instead of hanging with every later batch of the direction."""
+    engine = engine_with_probes()
+    engine._probe_events = Pool()
+    reported, classified = [], []
+    monkeypatch.setattr(engine, "_report", lambda handle, due: reported.append(handle),
+                        raising=False)
+    lane = Lane()
+    lane.direction = Direction.H2D
+    lane.issued = queue.SimpleQueue()
+    handles = []
+    for _ in range(2):
+        handle = handle_of()
+        for t in range(LAYERS):
+            handle.layer_events.append(SyncedEvent(float(t)))
+        handle.mark_issued(LAYERS)
+        progress = getattr(handle, _STATE)
+        probe = cuda_module.LayerProbe(1, StickyErrorEvent(0.5),
+                                       lambda late, s: classified.append(late))
+        probe.armed = True
+        progress.probes.append(probe)
+        handles.append(handle)
+        lane.issued.put(handle)
+    lane.issued.put(None)
+    monkeypatch.setattr(cuda_module.torch.cuda, "set_device", lambda device: None)
+    engine._complete_loop(lane)
+    assert reported == handles and all(h.finished and h.error is None for h in handles)
+    assert classified == [False, False]

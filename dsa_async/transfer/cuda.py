@@ -319,7 +319,7 @@ class CudaEngine(TransferEngine):
         tensor.record_stream(stream)  # the caller may free it; the copy still reads it
         if wide is not tensor:
             wide.record_stream(stream)
-        landed = torch.cuda.Event()
+        landed = torch.cuda.Event(blocking=True)  # fetch() sleeps in synchronize, no spin
         landed.record(stream)
 
         def fetch() -> np.ndarray:
@@ -550,7 +550,11 @@ class CudaEngine(TransferEngine):
     def _complete_loop(self, lane: _Lane) -> None:
         torch.cuda.set_device(self.device)
         while (handle := lane.issued.get()) is not None:
-            self._complete(lane, handle)
+            try:
+                self._complete(lane, handle)
+            except BaseException:  # noqa: BLE001 - later batches must still complete
+                log.exception("the %s completion thread failed on batch %d; it goes on",
+                              lane.direction.value, handle.batch.batch_id)
 
     def _complete(self, lane: _Lane, handle: BatchHandle) -> None:
         progress: _Progress = getattr(handle, _STATE)
@@ -570,8 +574,13 @@ class CudaEngine(TransferEngine):
         except BaseException as exc:  # noqa: BLE001 - a device fault fails this batch
             error = error or exc
         due = handle.finish(error, duration_s)
-        self._recycle(lane, handle, progress, completed)
-        self._report(handle, due)
+        try:
+            self._recycle(lane, handle, progress, completed)
+        except Exception:  # noqa: BLE001 - e.g. a sticky device error: the events are dropped
+            log.exception("recycling the events of %s batch %d failed; they are dropped",
+                          lane.direction.value, handle.batch.batch_id)
+        finally:
+            self._report(handle, due)  # the requests end whatever happened to the events
 
     def _recycle(self, lane: _Lane, handle: BatchHandle, progress: _Progress,
                  completed: bool) -> None:
@@ -584,7 +593,10 @@ class CudaEngine(TransferEngine):
                     continue
                 events = handle.layer_events
                 event = events[probe.layer] if probe.layer < len(events) else progress.end
-                result = verdict(probe.event, event) if completed else ON_TIME
+                try:
+                    result = verdict(probe.event, event) if completed else ON_TIME
+                except Exception:  # noqa: BLE001 - a device error: no timing to judge by
+                    result = ON_TIME
                 if probe.armed:
                     due.append((probe, result))
                 else:
