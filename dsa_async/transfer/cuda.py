@@ -331,8 +331,10 @@ class CudaEngine(TransferEngine):
     def normalize_after(self, after: object) -> torch.cuda.Event:
         """One caller-given producer as an event to wait for (call on the submitting thread).
 
-        A ``torch.cuda.Event`` is used as it is; for a ``torch.cuda.Stream`` an event is
-        recorded on it now, so the copy waits for the work queued there by the time of submit.
+        A ``torch.cuda.Event`` is used as it is: the copy stream waits for it as last recorded
+        when the batch is issued (the caller must not record it again before the transfer
+        ended). For a ``torch.cuda.Stream`` an event is recorded on it now, so the copy waits
+        for the work queued there by the time of submit.
         Anything else raises ``ArgumentTypeError`` (Transfers and sequences are unpacked by the
         service before this is called). Never blocks.
         """
