@@ -113,8 +113,11 @@ def test_prefetch_waits_for_the_readers_queued_on_the_callers_stream(tmp_path):
             targets = [10, 11, 12, 13]
             before = buffers[:, targets].clone()
             snapshot = torch.empty_like(before)
+            # Made before the sleep: an index list becomes a host-to-device copy from pageable
+            # memory, which would block this thread until the sleep ended.
+            target_index = torch.tensor(targets, device=DEVICE)
             gpu_sleep(0.5)  # the "attention kernel" is still running...
-            snapshot.copy_(buffers[:, targets])  # ...and reads the target pages after it
+            snapshot.copy_(buffers.index_select(1, target_index))  # ...reads the pages after it
             load = service.prefetch(backup.host_pages, page_tokens(targets))
             await finished(load)
             torch.cuda.synchronize()
@@ -357,8 +360,11 @@ def test_device_indices_written_by_a_kernel_still_queued_are_read_after_it(tmp_p
     async def main():
         async with cuda_service(make_config(tmp_path), buffers) as service:
             indices = torch.full((2 * 64,), -1, dtype=torch.int64, device=DEVICE)
+            # On the device before the sleep: a copy from pageable host memory now would block
+            # this thread until the sleep ended, and the kernel would be over at submit.
+            source = page_tokens([7, 3]).to(DEVICE)
             gpu_sleep(0.5)
-            indices.copy_(page_tokens([7, 3]).to(DEVICE))  # queued behind the sleep
+            indices.copy_(source)  # a device-to-device copy queued behind the sleep
             submitted_from = time.perf_counter()
             backup = service.evict(indices)
             assert time.perf_counter() - submitted_from < 0.25, "submit waited for the kernel"
