@@ -32,3 +32,11 @@ def test_ci_runs_the_readme_test_command():
     test_command = next(b.strip() for b in bash_blocks if "pytest" in b)
     ci = (ROOT / ".ci" / "run").read_text()
     assert test_command in ci.splitlines()
+
+
+def test_the_bench_table_has_a_row_for_every_figure_the_bench_reports():
+    from dsa_async.bench import TARGETS
+
+    section = README.split("## Benchmarks: `dsa-async bench`", 1)[1].split("\n## ", 1)[0]
+    rows = set(re.findall(r"^\| `([a-z0-9_.]+)`", section, flags=re.M))
+    assert rows == set(TARGETS), (set(TARGETS) - rows, rows - set(TARGETS))
