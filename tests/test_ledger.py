@@ -502,3 +502,20 @@ def test_a_process_forked_during_a_transaction_does_not_keep_the_ledger_locked(l
     finally:
         os.kill(child, signal.SIGKILL)
         os.waitpid(child, 0)
+
+
+def test_a_gone_owner_probed_by_another_reader_at_that_moment_is_still_gone(ledger_dir):
+    """Readers probe owner locks without the ledger lock (peek: plan, every metrics scrape). A
+    probe at the moment a start decides must not make a gone owner look alive to it (a start
+    refused although its pool fits)."""
+    ledger = HostLedger(ledger_dir)
+    ledger.entries()
+    write_ledger(ledger_dir, [entry("gone", 4_000_000, 1)])
+    owner_lock = ledger_dir / "owner-gone.lock"
+    owner_lock.touch(mode=0o600)
+    probe = os.open(owner_lock, os.O_RDONLY)
+    try:
+        fcntl.flock(probe, fcntl.LOCK_SH | fcntl.LOCK_NB)  # another reader's probe, in progress
+        assert ledger.entries() == ()
+    finally:
+        os.close(probe)

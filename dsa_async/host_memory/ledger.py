@@ -369,7 +369,10 @@ class HostLedger:
         except OSError:
             return True  # cannot tell: keep the reservation (the budget stays safe)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            # Shared: refused while the owner holds it (exclusively), but compatible with other
+            # readers probing it at the same moment (a scrape's peek must not make a gone
+            # owner look alive to a start deciding whether its pool fits).
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
             return True  # its owner holds it
         except OSError:
