@@ -141,7 +141,8 @@ def expected_unit(exprs: list[str]) -> set[str]:
     names = set(METRIC_NAME.findall(joined))
     if names and all("_seconds_" in name for name in names):  # a mean: seconds sum / count
         return {"s"}
-    if re.search(r"\)\s*/\s*sum|\}\s*/\s*ignoring", joined):
+    if re.search(r"\)\s*/\s*\(?sum|\}\s*/\s*ignoring", joined):  # a ratio (the divisor may be
+        # filtered to > 0, so that an idle pool or direction reads no value instead of NaN)
         return {"percentunit"}
     if "rate(" in joined:
         return {"reqps", "cps", "ops", "short"}
@@ -267,3 +268,10 @@ def test_alert_rules_use_only_metrics_the_service_exports():
     names = set(METRIC_NAME.findall(exprs))
     assert len(names) >= 5, names
     assert names <= exported_sample_names(), sorted(names - exported_sample_names())
+
+
+@pytest.mark.parametrize("query", QUERIES, ids=str)
+def test_a_division_by_a_sum_reads_no_value_instead_of_nan_when_the_sum_is_zero(query):
+    """An idle direction, a closed pool or a service with no prefetch yet divides 0 by 0: the
+    divisor is filtered to > 0 so the panel shows no value, not a NaN line."""
+    assert not re.search(r"/\s*sum\b", query.expr), query.expr
