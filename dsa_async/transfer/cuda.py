@@ -193,8 +193,9 @@ class CudaEngine(TransferEngine):
             self.targets = [PoolTarget.of(b, mapped_view(b.host, self.device, own))
                             for b in self.bindings.values()]
             self._streams = CopyStreams.create(self.device)
-            #: device index tensors are staged to the host here (stage_indices)
-            self._index_stream = torch.cuda.Stream(self.device)
+            #: device index tensors are staged to the host here (stage_indices); the engine's
+            #: own, not one of torch's pooled streams, which may be the forward pass's
+            self._index_stream = self._streams.index
             staging = self._allocate_staging()
             allocated = torch.cuda.Event()
             allocated.record(torch.cuda.current_stream(self.device))
@@ -427,6 +428,10 @@ class CudaEngine(TransferEngine):
             except BaseException as exc:  # noqa: BLE001 - a sticky device error: carry on
                 errors.append(exc)
         self._lanes = {}  # the staging goes only after its streams are idle
+        try:
+            self._index_stream.synchronize()  # an index copy of a request that never ran
+        except BaseException as exc:  # noqa: BLE001 - a sticky device error: carry on
+            errors.append(exc)
         if self._streams is not None:
             streams, self._streams = self._streams, None
             try:

@@ -239,8 +239,9 @@ def test_copy_streams_are_distinct_from_every_stream_the_process_created(tmp_pat
         async with cuda_service(make_config(tmp_path), buffers) as service:
             more = [torch.cuda.Stream() for _ in range(40)]
             streams = service._engine.copy_streams  # white box: the two lanes' streams
-            handles = [int(s.cuda_stream) for s in streams.values()]
-            assert len(set(handles)) == 2
+            index = service._engine._index_stream  # and the one for device index copies
+            handles = [int(s.cuda_stream) for s in streams.values()] + [int(index.cuda_stream)]
+            assert len(set(handles)) == 3
             others = created + more + [torch.cuda.current_stream(), torch.cuda.default_stream()]
             assert not set(handles) & {int(s.cuda_stream) for s in others}
             # Lower is more urgent: loads gate the forward pass.
