@@ -158,9 +158,8 @@ class CopyRig:
         handles = []
         for h, d in self._chunks(batch_pages):
             out = self.engine.submit(CopyBatch(Direction.D2H, h, d))
-            back = self.engine.submit(
-                CopyBatch(Direction.H2D, h, load_pages(d), deps=(Dependency(out, needs_data=True),))
-            )
+            after = (Dependency(out, needs_data=True),)
+            back = self.engine.submit(CopyBatch(Direction.H2D, h, load_pages(d), deps=after))
             handles += [out, back]
         self._wait(handles)
 
