@@ -36,11 +36,12 @@ import stat
 import tempfile
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..errors import ConfigError, LedgerError, shown
+from .transient_fds import close_transient, open_transient
 
 LEDGER_ENV = "DSA_ASYNC_LEDGER"
 LEDGER_FILE_NAME = "ledger.json"
@@ -53,41 +54,6 @@ _ENTRY_FIELDS = frozenset(("id", "label") + _ENTRY_INT_FIELDS)
 
 #: An entry id: what ``uuid4().hex`` writes; anything else would not name an owner lock file.
 _ENTRY_ID = re.compile(r"[0-9A-Za-z_-]{1,64}")
-
-#: Descriptors that hold a flock for a moment only: the ledger lock during a transaction, a gone
-#: owner's lock while it is probed. A flock belongs to the open file, which fork() shares, so a
-#: child forked meanwhile (a server starting workers) would hold it for its whole life and stall
-#: every start and close on the machine. Children close them first thing; fork waits while one
-#: is being opened or closed (``_FORK_GUARD``), so no descriptor slips between the two.
-_TRANSIENT_FDS: set[int] = set()
-_FORK_GUARD = threading.Lock()
-
-
-def _close_transient_fds_in_child() -> None:
-    for fd in _TRANSIENT_FDS:
-        with contextlib.suppress(OSError):
-            os.close(fd)
-    _TRANSIENT_FDS.clear()
-    _FORK_GUARD.release()  # taken by the forking thread, which is this one
-
-
-os.register_at_fork(before=_FORK_GUARD.acquire, after_in_parent=_FORK_GUARD.release,
-                    after_in_child=_close_transient_fds_in_child)
-
-
-def _open_transient(opener: Callable[[], int]) -> int:
-    """``opener()``'s descriptor, registered as transient before any fork can copy it."""
-    with _FORK_GUARD:
-        fd = opener()
-        _TRANSIENT_FDS.add(fd)
-    return fd
-
-
-def _close_transient(fd: int) -> None:
-    with _FORK_GUARD:
-        _TRANSIENT_FDS.discard(fd)
-        os.close(fd)
-
 
 def default_ledger_directory() -> Path:
     """``$DSA_ASYNC_LEDGER``, else a private directory in /dev/shm (or the temp dir)."""
@@ -310,7 +276,7 @@ class HostLedger:
         if getattr(self._local, "active", False):
             raise LedgerError(f"{self.path}: a ledger transaction is already open on this thread")
         self._ensure_directory()
-        lock_fd = _open_transient(lambda: self._open_checked(self.lock_path, create=True))
+        lock_fd = open_transient(lambda: self._open_checked(self.lock_path, create=True))
         self._local.active = True
         txn = None
         try:
@@ -327,7 +293,7 @@ class HostLedger:
             raise
         finally:
             self._local.active = False
-            _close_transient(lock_fd)  # closing the descriptor drops the flock
+            close_transient(lock_fd)  # closing the descriptor drops the flock
 
     # --- internals ---------------------------------------------------------------------------
 
@@ -362,7 +328,7 @@ class HostLedger:
         lock of a gone owner (under the ledger lock; ``peek`` writes nothing)."""
         path = self._owner_lock_path(entry.entry_id)
         try:
-            fd = _open_transient(lambda: os.open(
+            fd = open_transient(lambda: os.open(
                 path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK))
         except FileNotFoundError:
             return read_process_start_ticks(entry.pid, self.proc_root) == entry.start_time_ticks
@@ -383,7 +349,7 @@ class HostLedger:
                     os.unlink(path)
             return False
         finally:
-            _close_transient(fd)
+            close_transient(fd)
 
     def _unsafe(self, what: str, path: Path, why: str, fix: str) -> LedgerError:
         return LedgerError(f"host-memory ledger {what} {path} {why}; {fix}")
