@@ -50,10 +50,9 @@ LEDGER_SCHEMA = "dsa_async.ledger/1"
 _DEAD_STATES = frozenset("ZX")  # zombie / dead: the process no longer holds memory
 _ENTRY_INT_FIELDS = ("pid", "start_time_ticks", "reserved_bytes", "allocated_bytes")
 _ENTRY_FIELDS = frozenset(("id", "label") + _ENTRY_INT_FIELDS)
-
-
 #: An entry id: what ``uuid4().hex`` writes; anything else would not name an owner lock file.
 _ENTRY_ID = re.compile(r"[0-9A-Za-z_-]{1,64}")
+
 
 def default_ledger_directory() -> Path:
     """``$DSA_ASYNC_LEDGER``, else a private directory in /dev/shm (or the temp dir)."""
