@@ -45,9 +45,10 @@ __all__ = [
     # errors
     "ArgumentTypeError", "ArgumentValueError", "ConfigError", "CopyNotRunError", "CopySkipped",
     "DsaAsyncError", "HostBudgetExceeded", "HostPoolExhausted", "IndexTypeError",
-    "IndexValueError", "LedgerError", "LivenessViolation", "PageAlignmentError", "PagesInFlightError", "QueueFullError",
-    "ServiceClosedError", "TransferFailedError", "TransferNotDoneError", "UnknownHostPagesError",
-    "UnsupportedSettingError", "WrongThreadError",
+    "IndexValueError", "LedgerError", "LivenessViolation", "PageAlignmentError",
+    "PagesInFlightError", "QueueFullError", "ServiceClosedError", "TransferFailedError",
+    "TransferNotDoneError", "UnknownHostPagesError", "UnsupportedSettingError",
+    "WrongThreadError",
 ]
 
 _install_moved(__name__)  # the import paths of modules that moved keep working

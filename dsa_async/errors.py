@@ -148,6 +148,11 @@ def shown(value: object) -> str:
         text = repr(value)
     except ValueError:  # e.g. a list holding an int beyond 4,300 digits
         return f"a {type(value).__name__} too large to show"
+    return shortened(text)
+
+
+def shortened(text: str) -> str:
+    """``text`` as it is, or past 80 characters its first 60 and its length."""
     return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
 
 

@@ -12,7 +12,7 @@ import argparse
 import math
 import re
 
-from ..errors import INT64_MAX
+from ..errors import INT64_MAX, shown
 from ..host_memory.plan import GB_BYTES
 
 AUTO = "auto"
@@ -21,15 +21,10 @@ AUTO = "auto"
 _INT_TEXT = re.compile(r"\s*([+-]?)[0-9]+(?:_[0-9]+)*\s*")
 
 
-def quoted(text: str) -> str:
-    """``text`` for a message, shortened when long."""
-    return repr(text) if len(text) <= 40 else f"{text[:20]!r}... ({len(text)} characters)"
-
-
 def _int(text: str, what: str) -> int | float:
     digits = _INT_TEXT.fullmatch(text)
     if digits is None:
-        raise argparse.ArgumentTypeError(f"{quoted(text)} is not {what} (ASCII digits)")
+        raise argparse.ArgumentTypeError(f"{shown(text)} is not {what} (ASCII digits)")
     try:
         return int(text)
     except ValueError:  # too many digits for int(): beyond any bound here
@@ -44,9 +39,9 @@ def _float(text: str, what: str) -> float:
         except ValueError:
             pass
     if value is None:
-        raise argparse.ArgumentTypeError(f"{quoted(text)} is not {what} (ASCII digits)")
+        raise argparse.ArgumentTypeError(f"{shown(text)} is not {what} (ASCII digits)")
     if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"{quoted(text)} must be finite")
+        raise argparse.ArgumentTypeError(f"{shown(text)} must be finite")
     return value
 
 
@@ -55,10 +50,10 @@ def bounded_int(text: str, *, low: int, what: str = "an integer", high: int = IN
     """An integer in ``[low, high]``."""
     value = _int(text, what)
     if value < low:
-        raise argparse.ArgumentTypeError(f"{quoted(text)} must be >= {low}")
+        raise argparse.ArgumentTypeError(f"{shown(text)} must be >= {low}")
     if value > high:
         raise argparse.ArgumentTypeError(
-            f"{quoted(text)} is out of range: use {low} to {high} ({why})")
+            f"{shown(text)} is out of range: use {low} to {high} ({why})")
     return int(value)
 
 
@@ -69,7 +64,7 @@ def positive_int(text: str) -> int:
 def positive_float(text: str, what: str = "a number") -> float:
     value = _float(text, what)
     if value <= 0:
-        raise argparse.ArgumentTypeError(f"{quoted(text)} must be > 0")
+        raise argparse.ArgumentTypeError(f"{shown(text)} must be > 0")
     return value
 
 
@@ -81,11 +76,11 @@ def _gb_to_bytes(text: str, *, allow_zero: bool) -> int:
     gb = _float(text, "a number of GB")
     if not math.isfinite(gb * GB_BYTES) or gb < 0 or (gb == 0 and not allow_zero):
         raise argparse.ArgumentTypeError(
-            f"{quoted(text)} must be a finite number {'>=' if allow_zero else '>'} 0 (of GB)")
+            f"{shown(text)} must be a finite number {'>=' if allow_zero else '>'} 0 (of GB)")
     nbytes = round(gb * GB_BYTES)
     if nbytes > INT64_MAX:
         raise argparse.ArgumentTypeError(
-            f"{quoted(text)} GB is beyond 64 bits of bytes; use at most "
+            f"{shown(text)} GB is beyond 64 bits of bytes; use at most "
             f"{INT64_MAX // GB_BYTES:,} GB")
     return nbytes
 
@@ -96,7 +91,7 @@ def host_pool_bytes(text: str) -> int | None:
         return None
     nbytes = _gb_to_bytes(text, allow_zero=False)
     if nbytes == 0:
-        raise argparse.ArgumentTypeError(f"{quoted(text)} GB rounds to 0 bytes")
+        raise argparse.ArgumentTypeError(f"{shown(text)} GB rounds to 0 bytes")
     return nbytes
 
 

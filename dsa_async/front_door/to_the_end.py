@@ -14,21 +14,28 @@ import threading
 from collections.abc import Awaitable, Callable
 
 
+async def _until_done(work: asyncio.Future) -> bool:
+    """Wait until ``work`` ended (done, failed or cancelled) through any cancellation of the
+    awaiting task; whether one came."""
+    cancelled = False
+    while not work.done():
+        try:
+            await asyncio.shield(work)
+        except asyncio.CancelledError:
+            cancelled = True
+        except Exception:  # noqa: BLE001 - the work's error: the caller reads it from work
+            break
+    return cancelled
+
+
 async def awaited_to_the_end(awaitable: Awaitable[object]) -> bool:
     """``await`` ``awaitable`` until it ends even if the awaiting task is cancelled (once or
     more) meanwhile; its error, if any, is raised. Returns whether a cancellation came: the
     caller finishes its other steps, then raises ``CancelledError``."""
     work = asyncio.ensure_future(awaitable)
-    cancelled = False
-    while True:
-        try:
-            await asyncio.shield(work)
-        except asyncio.CancelledError:
-            if work.cancelled():  # the work itself was cancelled, not its awaiting task
-                raise
-            cancelled = True  # the work may have ended in the same turn: the next await says
-            continue
-        return cancelled
+    cancelled = await _until_done(work)
+    work.result()  # its error (CancelledError if the work itself was cancelled)
+    return cancelled
 
 
 async def to_thread_to_the_end(fn: Callable[[], object],
@@ -39,15 +46,7 @@ async def to_thread_to_the_end(fn: Callable[[], object],
     ``keep_item`` if given) so the caller can undo it, then raise ``CancelledError``. Without
     a cancellation ``fn``'s result or error is returned or raised as by ``asyncio.to_thread``."""
     work = asyncio.ensure_future(asyncio.to_thread(fn))
-    cancelled = False
-    while not work.done():
-        try:
-            await asyncio.shield(work)
-        except asyncio.CancelledError:
-            cancelled = True
-        except Exception:  # noqa: BLE001 - fn's error: raised below (or dropped if cancelled)
-            break
-    if cancelled:
+    if await _until_done(work):  # fn's error is dropped then: the cancellation is raised
         if work.exception() is None and keep is not None:
             result = work.result()
             keep(result if keep_item is None else result[keep_item])

@@ -78,8 +78,7 @@ class Scheduler:
         self.queues: dict[Direction, list[Request]] = {d: [] for d in Direction}
         self._queue_sorted = {d: True for d in Direction}  # appended in order: no sort needed
         self.inflight_bytes = {d: 0 for d in Direction}
-        self.inflight_requests = 0
-        #: the same per direction (the in-flight requests gauge)
+        #: requests handed to the engine and not ended, per direction
         self.inflight_requests_in = {d: 0 for d in Direction}
         self.hazards = HazardTable(pool.capacity_pages)
         self._batches: dict[BatchHandle, list[Request]] = {}
@@ -115,6 +114,11 @@ class Scheduler:
     @property
     def queued_requests(self) -> int:
         return len(self.queues[D2H]) + len(self.queues[H2D])
+
+    @property
+    def inflight_requests(self) -> int:
+        """Requests handed to the engine and not ended, both directions."""
+        return sum(self.inflight_requests_in.values())
 
     def accept(self, request: Request, loop_producers: tuple[object, ...] = ()) -> None:
         """Queue an admitted request (validated by the service). Does not block.
@@ -348,7 +352,6 @@ class Scheduler:
                 for layer, future in pending_layers.pop(request, ()):
                     self._watch_layer(handle, layer, future)
         self.inflight_bytes[direction] += nbytes  # the gauges follow in publish_state()
-        self.inflight_requests += len(requests)
         self.inflight_requests_in[direction] += len(requests)
 
     # --- completion -----------------------------------------------------------------------
@@ -395,7 +398,6 @@ class Scheduler:
             self._end(request, outcome, result, failure, check_idle=False)
         self._check_idle()
         self.inflight_bytes[direction] -= nbytes
-        self.inflight_requests -= len(requests)
         self.inflight_requests_in[direction] -= len(requests)
         moved = error is None  # padding counts only where the padded bytes moved
         for outcome, (latencies, paddings) in ended.items():
@@ -705,7 +707,6 @@ class Scheduler:
             direction = handle.batch.direction
             for request in requests:
                 self.inflight_bytes[direction] -= request.nbytes
-                self.inflight_requests -= 1
                 self.inflight_requests_in[direction] -= 1
                 self.finish(request, FAILED, error=ServiceClosedError(
                     f"the service closed before the engine reported this {direction.value} "

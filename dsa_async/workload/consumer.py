@@ -28,12 +28,13 @@ import numpy as np
 import torch
 
 from ..completion.transfer import Transfer
+from ..errors import INT64_MAX
 from .pagedata import PagePatterns
 
 log = logging.getLogger(__name__)
 
 #: The largest ``compute_dim`` whose ``[D, D]`` matrix has a 64-bit element count (torch sizes).
-MAX_COMPUTE_DIM = math.isqrt(2**63 - 1)
+MAX_COMPUTE_DIM = math.isqrt(INT64_MAX)
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import ConfigError, shown
+from ..errors import ConfigError, shortened, shown
 
 TRACE_PREFIX = "trace:"
 MULTITURN = "multiturn"
@@ -150,9 +150,7 @@ def _parse_float(text: str) -> float | _Literal:
 
 def _shown(value: object) -> str:
     """A trace value for a message: a kept literal as its text, anything else as ``shown``."""
-    if not isinstance(value, _Literal):
-        return shown(value)
-    return value if len(value) <= 40 else f"{value[:20]}... ({len(value)} characters)"
+    return shortened(value) if isinstance(value, _Literal) else shown(value)
 
 
 def _parse_line(text: str, where: str) -> tuple[float, str, int, int]:

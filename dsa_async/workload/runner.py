@@ -22,8 +22,8 @@ from typing import TextIO
 import psutil
 import torch
 
-from ..config import PoolSize, ServiceConfig, shown
-from ..errors import ConfigError
+from ..config import PoolSize, ServiceConfig
+from ..errors import ConfigError, shown
 from ..front_door.service import OffloadService
 from ..geometry import (
     DEEPSEEK_V32_LAYERS,
