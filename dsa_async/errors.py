@@ -109,6 +109,16 @@ class LedgerError(DsaAsyncError, RuntimeError):
     """The machine-wide reservation ledger file is corrupt, foreign or unsafe to use."""
 
 
+class OutputWriteError(DsaAsyncError, OSError):
+    """A command's output file (``serve --json-summary``, ``bench --json`` / ``--plot``) could
+    not be written at the end of the run (a full disk, a device that refuses the write)."""
+
+
+class BenchInterrupted(DsaAsyncError):
+    """``dsa-async bench`` was asked to stop (Ctrl-C) while measuring: raised in the bench's
+    worker thread at the next point where a measurement can stop."""
+
+
 # --- internal invariants ----------------------------------------------------------------------
 
 

@@ -31,7 +31,7 @@ from dsa_async.kinds import Backend
 from dsa_async.workload.consumer import MAX_COMPUTE_DIM
 from dsa_async.workload.pagedata import MAX_SEED
 from dsa_async.workload.runner import STARTED, ServeOptions, _check_device_buffers_fit, serve
-from dsa_async.workload.summary import check_writable_file
+from dsa_async.workload.output_files import check_writable_file
 
 REPO = Path(__file__).resolve().parents[1]
 DEADLINE_S = 90  # generous: only proves nothing hangs

@@ -67,14 +67,16 @@ def _ratio_to_contiguous(ctx: BenchContext, pattern: PagePattern, layout: Device
         reference = ContiguousCopy(ctx.device, rig.bytes_per_direction)
         ctx.progress(f"{target.name}: {rig.num_pages} pages, {rig.bytes_per_direction:,} B "
                      f"per direction, {ctx.pairs} pairs")
-        timings = interleaved_pairs(reference.round_trip, rig.round_trip, ctx.pairs)
+        timings = interleaved_pairs(reference.round_trip, rig.round_trip, ctx.pairs,
+                                    check_stop=ctx.check_stop)
         del reference
         rig.verify_round_trip(target.name)
         results = {target.name: timings.speedup()}
         if with_token_baseline:
             token = TokenGranularCopy(rig)
             ctx.progress(f"{TOKEN.name}: same pages, {ctx.pairs} pairs")
-            timings = interleaved_pairs(token.round_trip, rig.round_trip, ctx.pairs)
+            timings = interleaved_pairs(token.round_trip, rig.round_trip, ctx.pairs,
+                                        check_stop=ctx.check_stop)
             rig.verify(f"{TOKEN.name} (token path)", token.d2h, token.h2d)
             results[TOKEN.name] = timings.speedup()
     return results
@@ -107,7 +109,8 @@ def copy_random3d_over_random(ctx: BenchContext) -> dict[str, float]:
             CopyRig(ctx, PagePattern.RANDOM, DeviceLayout.FUSED) as fused:
         ctx.progress(f"{RANDOM_3D_OVER_RANDOM.name}: {fused.num_pages} pages each, "
                      f"{ctx.pairs} pairs")
-        timings = interleaved_pairs(separate.round_trip, fused.round_trip, ctx.pairs)
+        timings = interleaved_pairs(separate.round_trip, fused.round_trip, ctx.pairs,
+                                    check_stop=ctx.check_stop)
         separate.verify_round_trip(f"{RANDOM_3D_OVER_RANDOM.name} (separate)")
         fused.verify_round_trip(f"{RANDOM_3D_OVER_RANDOM.name} (fused)")
     return {RANDOM_3D_OVER_RANDOM.name: timings.speedup()}

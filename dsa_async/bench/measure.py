@@ -71,12 +71,14 @@ def interleaved_pairs(
     *,
     warmup: bool = True,
     clock: Callable[[], float] = time.perf_counter,
+    check_stop: Callable[[], None] = lambda: None,
 ) -> PairTimings:
     """Time ``reference`` and ``subject`` alternately, ``pairs`` times each, after one warm-up.
 
     Each callable must do the whole operation and return only when it is complete (on a GPU:
     after synchronizing). What it returns is dropped after the clock stops.
     The garbage collector is paused while timing, so a collection cannot land in one half of a pair.
+    ``check_stop`` runs before each pair (``BenchContext.check_stop``: it raises to stop early).
     """
     if pairs < MIN_PAIRS:
         raise ValueError(f"pairs={pairs}: a figure needs at least {MIN_PAIRS} interleaved pairs")
@@ -98,6 +100,7 @@ def interleaved_pairs(
     gc.disable()
     try:
         for _ in range(pairs):
+            check_stop()
             reference_s.append(timed(reference))
             subject_s.append(timed(subject))
     finally:

@@ -7,6 +7,7 @@ from pathlib import Path
 from types import ModuleType
 
 from ..errors import ConfigError
+from ..workload.output_files import write_output_file
 
 INSTALL_HINT = "pip install 'dsa-async[plot]' (or pip install matplotlib)"
 
@@ -37,7 +38,8 @@ _LINES = (
 
 
 def plot_throughput(series: Mapping[str, list[float]], path: Path, title: str) -> None:
-    """Write GB/s vs batch size (pages, log scale) for the engine and both references."""
+    """Write GB/s vs batch size (pages, log scale) for the engine and both references, as a
+    PNG whatever ``path``'s suffix (``OutputWriteError`` when it cannot be written)."""
     pyplot = require_pyplot()
     fig, ax = pyplot.subplots(figsize=(8, 5))
     try:
@@ -52,6 +54,7 @@ def plot_throughput(series: Mapping[str, list[float]], path: Path, title: str) -
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
         fig.tight_layout()
-        fig.savefig(path, dpi=120)
+        write_output_file(path, "--plot",
+                          lambda p: fig.savefig(p, dpi=120, format="png"))
     finally:
         pyplot.close(fig)

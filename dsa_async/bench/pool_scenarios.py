@@ -41,5 +41,5 @@ def pool_startup(ctx: BenchContext) -> dict[str, float]:
     def subject() -> HostPool:
         return HostPool.create([g], pages)
 
-    timings = interleaved_pairs(reference, subject, ctx.pairs)
+    timings = interleaved_pairs(reference, subject, ctx.pairs, check_stop=ctx.check_stop)
     return {STARTUP_RATIO.name: timings.cost(), STARTUP_S.name: timings.median_subject_s()}

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import threading
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ..errors import BenchInterrupted
 from ..geometry import PageGeometry
 from .device import BenchDevice
 
@@ -72,6 +74,15 @@ class BenchContext:
     verified: list[str] = field(default_factory=list)
     #: Extra series for the plot, e.g. throughput by batch size (filled by the sweep).
     series: dict[str, list[float]] = field(default_factory=dict)
+    #: Set when the bench is asked to stop (Ctrl-C): scenarios stop at their next
+    #: :meth:`check_stop`.
+    stopping: threading.Event = field(default_factory=threading.Event)
+
+    def check_stop(self) -> None:
+        """Raise ``BenchInterrupted`` when the bench was asked to stop. Any thread may call it:
+        scenarios do between pairs and rounds, so a stop waits for one measurement at most."""
+        if self.stopping.is_set():
+            raise BenchInterrupted("the bench was interrupted; this scenario stopped early")
 
     @property
     def threads(self) -> int:

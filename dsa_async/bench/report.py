@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from .registry import Target
@@ -140,6 +139,6 @@ def to_json(run: BenchRun, targets: Mapping[str, Target]) -> dict[str, Any]:
     return out
 
 
-def write_json(path: Path, run: BenchRun, targets: Mapping[str, Target]) -> None:
-    path.write_text(json.dumps(to_json(run, targets), indent=2, allow_nan=False) + "\n",
-                    encoding="utf-8")
+def json_text(run: BenchRun, targets: Mapping[str, Target]) -> str:
+    """The run as ``--json`` writes it (strict JSON: no NaN or infinity)."""
+    return json.dumps(to_json(run, targets), indent=2, allow_nan=False) + "\n"

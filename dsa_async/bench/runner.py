@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import uvloop
 
+from ..errors import BenchInterrupted
 from ..geometry import PageGeometry, dsa_indexer
 from ..kinds import Backend
 from .device import load_average_1m, load_engine_class, machine_info, resolve_device
@@ -51,11 +52,14 @@ def stderr_progress(line: str) -> None:
 def _run_all(ctx: BenchContext, scenarios: Sequence[Scenario], run: BenchRun) -> None:
     total = len(scenarios)
     for i, scenario in enumerate(scenarios, 1):
+        ctx.check_stop()
         name = scenario_name(scenario)
         ctx.progress(f"[{i}/{total}] {name} ...")
         started = time.perf_counter()
         try:
             results = scenario(ctx)
+        except BenchInterrupted:
+            raise
         except Exception as exc:  # noqa: BLE001 - one broken scenario must not hide the others
             run.errors[name] = f"{type(exc).__name__}: {exc}"
             ctx.progress(f"[{i}/{total}] {name} FAILED: {run.errors[name]}")
@@ -67,6 +71,8 @@ def _run_all(ctx: BenchContext, scenarios: Sequence[Scenario], run: BenchRun) ->
         started = time.perf_counter()
         try:
             run.series.update(measure_throughput(ctx, ctx.sweep_batch_pages))
+        except BenchInterrupted:
+            raise
         except Exception as exc:  # noqa: BLE001
             run.errors["throughput_sweep"] = f"{type(exc).__name__}: {exc}"
             traceback.print_exc(file=sys.stderr)
@@ -75,7 +81,11 @@ def _run_all(ctx: BenchContext, scenarios: Sequence[Scenario], run: BenchRun) ->
 
 async def run_bench(config: BenchConfig, scenarios: Sequence[Scenario] | None = None,
                     progress: Callable[[str], None] = stderr_progress) -> BenchRun:
-    """Run ``scenarios`` (default: every registered one). Must be awaited on a running loop."""
+    """Run ``scenarios`` (default: every registered one). Must be awaited on a running loop.
+
+    Cancelled (Ctrl-C), it asks the scenarios to stop, waits until the one running has stopped
+    at its next pair or round (its services closed, its threads joined: the worker thread
+    still needs this loop meanwhile), then propagates the cancellation."""
     if config.pairs < MIN_PAIRS:
         raise ValueError(f"pairs={config.pairs}: at least {MIN_PAIRS} interleaved pairs")
     device = resolve_device(config.backend)
@@ -94,7 +104,18 @@ async def run_bench(config: BenchConfig, scenarios: Sequence[Scenario] | None = 
     machine.update(pairs=config.pairs, figure_bytes=config.figure_bytes)
     run = BenchRun({}, {}, machine, ctx.verified, ctx.series, 0.0)
     started = time.perf_counter()
-    await asyncio.to_thread(_run_all, ctx, list(SCENARIOS if scenarios is None else scenarios), run)
+    worker = asyncio.ensure_future(asyncio.to_thread(
+        _run_all, ctx, list(SCENARIOS if scenarios is None else scenarios), run))
+    try:
+        await asyncio.shield(worker)
+    except asyncio.CancelledError:
+        ctx.stopping.set()
+        progress("interrupted: stopping at the end of the current measurement")
+        await asyncio.wait({worker})
+        failure = worker.exception()  # BenchInterrupted is how it stops; anything else is shown
+        if failure is not None and not isinstance(failure, BenchInterrupted):
+            progress(f"while stopping: {failure!r}")
+        raise
     run.elapsed_s = time.perf_counter() - started
     machine["load_average_1m_end"] = load_average_1m()
     return run

@@ -91,6 +91,7 @@ async def _scattered_us_per_page(ctx: BenchContext, sizes: ScaleSizes) -> float:
     per_page = []
     async with service:
         for round_ in range(max(ctx.pairs, 5) + 1):
+            ctx.check_stop()
             gc.collect()  # the previous round's garbage is not this round's cost
             started = time.perf_counter()
             for tokens in requests:
@@ -132,6 +133,7 @@ async def _fragmented_figures(ctx: BenchContext, sizes: ScaleSizes) -> dict[str,
     async with service:
         await overhead_round_us(service, requests)  # warms allocators and caches
         for _ in range(FRAGMENTED_PAIRS):
+            ctx.check_stop()
             empty = await _rounds_us(service, requests)
             held = _fragment(service, sizes.fragmented_run_pages)
             fragmented = await _rounds_us(service, requests)

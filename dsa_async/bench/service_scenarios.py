@@ -109,6 +109,7 @@ async def _scheduler_figures(ctx: BenchContext) -> dict[str, float]:
     async with service:
         per_request, reference = [], []
         for round_ in range(max(ctx.pairs, 5) + 1):
+            ctx.check_stop()
             reference.append(_python_reference_us(requests))
             round_us = await overhead_round_us(service, requests)
             if round_:  # the first round warms allocators and caches
@@ -195,6 +196,7 @@ async def _overlap(ctx: BenchContext) -> tuple[float, float]:
         thread.start()
         try:
             for _ in range(max(ctx.pairs, 5)):
+                ctx.check_stop()
                 load = service.prefetch(backup.host_pages,
                                         torch.arange(0, pages * g.page_size_tokens))
                 work.put(load)

@@ -43,6 +43,7 @@ def measure_throughput(ctx: BenchContext, batch_pages: tuple[int, ...]) -> dict[
         page_bytes = rig.geometry.bytes_per_page
         moved = 2 * rig.bytes_per_direction
         for b in sorted({min(b, rig.num_pages) for b in batch_pages}):
+            ctx.check_stop()
             ctx.progress(f"throughput sweep: batches of {b} pages")
 
             def engine(b: int = b) -> None:

@@ -52,6 +52,7 @@ def threadsafe(ctx: BenchContext) -> dict[str, float]:
         ratios, loop_us, thread_us = [], [], []
         wakeups_before = service.thread_wakeups
         for round_ in range(max(ctx.pairs, 5) + 1):
+            ctx.check_stop()
             on_loop = ctx.run_on_loop(overhead_round_us(service, requests))
             from_thread = thread_round_us(service, requests)
             if round_:  # the first pair warms allocators and caches

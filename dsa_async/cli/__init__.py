@@ -3,8 +3,9 @@
 A subcommand module exposes ``register(subparsers)``, which adds its parser and sets
 ``func`` (parsed args -> exit code). To add one, import it and append it to ``_COMMANDS``.
 
-Exit codes: 0 success, 1 a runtime failure, 2 bad arguments or configuration, 3 the host pool
-does not fit (``plan``).
+Exit codes (``exit_codes.py``): 0 success, 1 a runtime failure, 2 bad arguments or
+configuration, 3 the host pool does not fit (``plan``), 130 interrupted before there was
+anything to report.
 """
 
 from __future__ import annotations
@@ -15,11 +16,9 @@ from collections.abc import Sequence
 
 from ..errors import ConfigError, DsaAsyncError
 from . import bench, plan, serve
+from .exit_codes import EXIT_FAILED, EXIT_USAGE
 
 PROG = "dsa-async"
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_USAGE = 2
 
 _COMMANDS = (plan, bench, serve)
 

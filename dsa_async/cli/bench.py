@@ -15,10 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from ..kinds import Backend, parse_enum
+from .exit_codes import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
 
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_USAGE = 2
 
 #: Interleaved pairs per figure (odd, so the median is one pair's ratio). More pairs make the
 #: median robust to other load on a shared machine; --quick keeps well above the minimum of 5.
@@ -67,17 +65,25 @@ def run(args: argparse.Namespace) -> int:
     from ..bench import TARGETS
     from ..bench.device import EngineUnavailable, load_engine_class, resolve_device
     from ..bench.plot import PlotUnavailable, plot_throughput, require_pyplot
-    from ..bench.report import format_table, write_json
+    from ..bench.report import format_table, json_text
     from ..bench.runner import BenchConfig, run_bench_blocking
     from ..errors import ConfigError
-    from ..workload.summary import check_writable_file
+    from ..workload.output_files import (
+        check_distinct_files,
+        check_writable_file,
+        write_text_file,
+    )
 
-    for path, flag in ((args.json, "--json"), (args.plot, "--plot")):
-        try:  # refused now, not after minutes of measuring
+    try:  # refused now, not after minutes of measuring
+        for path, flag in ((args.json, "--json"), (args.plot, "--plot")):
             if path is not None:
                 check_writable_file(path, flag)
-        except ConfigError as exc:
-            return _usage_error(str(exc))
+        if args.plot is not None and args.plot.suffix.lower() != ".png":
+            raise ConfigError(f"--plot {str(args.plot)!r}: the plot is a PNG image; give a "
+                              f"path ending in .png (e.g. {str(args.plot.with_suffix('.png'))!r})")
+        check_distinct_files({"--json": args.json, "--plot": args.plot})
+    except ConfigError as exc:
+        return _usage_error(str(exc))
     try:
         if args.plot is not None:
             require_pyplot()
@@ -91,10 +97,14 @@ def run(args: argparse.Namespace) -> int:
     config = BenchConfig(backend=device.backend, pairs=QUICK_PAIRS if args.quick else FULL_PAIRS,
                          figure_bytes=_figure_bytes(args.quick), sweep_batch_pages=sweep)
     started = time.perf_counter()
-    bench = run_bench_blocking(config)
+    try:
+        bench = run_bench_blocking(config)
+    except KeyboardInterrupt:
+        print("bench: interrupted; no figures reported, nothing written", file=sys.stderr)
+        return EXIT_INTERRUPTED
     print(format_table(bench, TARGETS))
     if args.json is not None:
-        write_json(args.json, bench, TARGETS)
+        write_text_file(args.json, "--json", json_text(bench, TARGETS))
         print(f"bench: wrote {args.json}", file=sys.stderr)
     if args.plot is not None and bench.series:
         m = bench.machine

@@ -5,7 +5,8 @@ or are replayed from a JSON-lines trace (``--workload trace:PATH``); their pages
 the device cache and the host pool through the service, and every prefetched page is checked
 against the checksum recorded when it was written. SIGINT/SIGTERM or ``--duration-s`` drain the
 service and print a summary. Exit 0 when every forward step ran, no page mismatched and
-nothing leaked, 1 otherwise (the verdict names why), 2 on bad arguments.
+nothing leaked, 1 otherwise (the verdict names why), 2 on bad arguments, 130 when interrupted
+before the service started.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ..workload.consumer import MAX_COMPUTE_DIM
 from ..workload.conversations import WorkloadSpec
 from ..workload.pagedata import MAX_SEED
 from ..workload.runner import DEFAULT_DEVICE_PAGES, ServeOptions, serve
+from .exit_codes import EXIT_INTERRUPTED
 from .numbers import (
     bounded_int,
     host_pool_bytes,
@@ -118,5 +120,17 @@ def run(args: argparse.Namespace) -> int:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                             format="%(asctime)s %(levelname)s %(message)s")
-    summary = uvloop.run(serve(options_from(args)))
-    return 0 if summary.ok else 1
+    summaries = []
+
+    async def main() -> None:
+        summaries.append(await serve(options_from(args)))
+
+    try:
+        uvloop.run(main())
+    except KeyboardInterrupt:
+        # serve() handles SIGINT from its first step to its last; one that lands while the
+        # loop itself starts or closes must not turn a finished run's verdict into a traceback
+        if not summaries:
+            print("dsa-async serve: interrupted before the service started", file=sys.stderr)
+            return EXIT_INTERRUPTED
+    return 0 if summaries[0].ok else 1

@@ -46,7 +46,8 @@ from .engine import EngineSettings, ServingEngine
 from .pagedata import MAX_SEED, PagePatterns
 from .readings import ServiceReadings
 from .status import StatusReporter
-from .summary import ServeSummary, check_writable_file
+from .output_files import check_distinct_files, check_writable_file
+from .summary import ServeSummary
 
 log = logging.getLogger("dsa_async.serve")
 
@@ -119,8 +120,38 @@ class _PressureHook:
         return self.engine.on_host_pressure(pages_needed) if self.engine is not None else 0
 
 
-async def serve(options: ServeOptions, *, stdout: TextIO = sys.stdout) -> ServeSummary:
-    """Run until stopped; return the summary (also printed, and written as JSON if asked)."""
+async def serve(options: ServeOptions, *, stdout: TextIO | None = None) -> ServeSummary:
+    """Run until stopped; return the summary (also printed to ``stdout``, default
+    ``sys.stdout`` as it is at the call, and written as JSON if asked).
+
+    SIGINT and SIGTERM stop it from the first step to the last: one that comes during set-up
+    ends the run as soon as the service is up (with the summary of what ran, nothing), and
+    later ones only log that it is already draining, until the summary is written."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    stop_reason: list[str] = []
+
+    def on_signal(sig: signal.Signals) -> None:
+        if stop.is_set():
+            log.warning("%s: already draining", sig.name)
+            return
+        stop_reason.append(sig.name)
+        log.info("%s: stopping arrivals and draining", sig.name)
+        stop.set()
+
+    signals = (signal.SIGINT, signal.SIGTERM)
+    for sig in signals:
+        loop.add_signal_handler(sig, on_signal, sig)
+    try:
+        return await _serve(options, sys.stdout if stdout is None else stdout, stop,
+                            stop_reason)
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+
+
+async def _serve(options: ServeOptions, stdout: TextIO, stop: asyncio.Event,
+                 stop_reason: list[str]) -> ServeSummary:
     loop = asyncio.get_running_loop()
     backend = resolve_backend(options.backend)
     if backend is Backend.CUDA and not torch.cuda.is_available():
@@ -128,6 +159,8 @@ async def serve(options: ServeOptions, *, stdout: TextIO = sys.stdout) -> ServeS
                           "none is available here: use --backend cpu (or auto)")
     if options.json_summary is not None:  # refused now, not after the whole run
         check_writable_file(options.json_summary, "--json-summary")
+        check_distinct_files({"--workload trace:PATH": options.workload.trace_path,
+                              "--json-summary": options.json_summary})
     _check_device_buffers_fit(options, backend)
     settings = EngineSettings.for_device(
         page_size_tokens=DSA_PAGE_SIZE_TOKENS,
@@ -150,20 +183,6 @@ async def serve(options: ServeOptions, *, stdout: TextIO = sys.stdout) -> ServeS
     hook = _PressureHook()
     service = OffloadService(config, buffers, on_host_pressure=hook)
     counters = WorkloadCounters()
-    stop = asyncio.Event()
-    stop_reason: list[str] = []
-
-    def on_signal(sig: signal.Signals) -> None:
-        if stop.is_set():
-            log.warning("%s: already draining", sig.name)
-            return
-        stop_reason.append(sig.name)
-        log.info("%s: stopping arrivals and draining", sig.name)
-        stop.set()
-
-    signals = (signal.SIGINT, signal.SIGTERM)
-    for sig in signals:
-        loop.add_signal_handler(sig, on_signal, sig)
     metrics_server: MetricsServer | None = None
     status: StatusReporter | None = None
     try:
@@ -203,8 +222,6 @@ async def serve(options: ServeOptions, *, stdout: TextIO = sys.stdout) -> ServeS
         finally:
             await service.close()
     finally:
-        for sig in signals:
-            loop.remove_signal_handler(sig)
         if status is not None:
             await status.stop()
         if metrics_server is not None:

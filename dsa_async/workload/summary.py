@@ -9,49 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import ConfigError
 from ..front_door.service import ServiceStatistics
 from ..host_memory.plan import human_bytes
 from .counters import WorkloadCounters
+from .output_files import write_text_file
 from .readings import ServiceReadings
-
-
-def check_writable_file(path: str | os.PathLike[str], setting: str) -> None:
-    """Refuse now, with a ``ConfigError`` naming ``setting``, a file path that could not be
-    written at the end of a run: a directory, a missing directory, a path under a file, a
-    read-only or pseudo file system (``/proc``). Opens the file to append, writing nothing; a
-    file it had to create is removed again. A device or FIFO (``/dev/stdout``) is not opened.
-    Blocking (a few system calls)."""
-    path = Path(path)
-    if path.is_symlink() and not path.exists():  # dangling: writing it creates the target
-        path = path.resolve()
-    if path.is_dir():
-        raise ConfigError(f"{setting} {str(path)!r} is a directory; give a file path (e.g. "
-                          f"{str(path / 'summary.json')!r})")
-    if not path.parent.is_dir():
-        problem = "is not a directory" if path.parent.exists() else "does not exist"
-        raise ConfigError(f"{setting} {str(path)!r}: its directory {str(path.parent)!r} "
-                          f"{problem}; create it or give another path")
-    if path.exists() and not path.is_file():
-        return
-    created = False
-    try:
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            created = True
-        except FileExistsError:
-            fd = os.open(path, os.O_WRONLY | os.O_APPEND)
-        os.close(fd)
-    except OSError as exc:
-        raise ConfigError(f"{setting} {str(path)!r} cannot be written: {exc.strerror or exc}; "
-                          f"give a path in a writable directory") from None
-    finally:
-        if created:
-            path.unlink(missing_ok=True)
 
 
 @dataclass(frozen=True)
@@ -166,9 +131,10 @@ class ServeSummary:
         data["failures"] = list(self.failures)
         return data
 
-    def write_json(self, path: str | Path) -> None:
-        """Write the summary as one JSON object (blocking file write)."""
-        Path(path).write_text(json.dumps(self.as_dict(), indent=2) + "\n", encoding="utf-8")
+    def write_json(self, path: str | Path, setting: str = "--json-summary") -> None:
+        """Write the summary as one JSON object (blocking file write); ``OutputWriteError``
+        naming ``setting`` when the write fails."""
+        write_text_file(path, setting, json.dumps(self.as_dict(), indent=2) + "\n")
 
     def as_text(self) -> str:
         layers = self.prefetch_layers_on_time + self.prefetch_layers_late + self.prefetch_layers_wasted

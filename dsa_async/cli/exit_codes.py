@@ -1,0 +1,6 @@
+"""The exit codes every ``dsa-async`` subcommand shares (``plan`` adds its own 3)."""
+
+EXIT_OK = 0
+EXIT_FAILED = 1  #: a runtime failure (a scenario failed, a verdict not OK, an output not written)
+EXIT_USAGE = 2  #: bad arguments or configuration
+EXIT_INTERRUPTED = 130  #: stopped by Ctrl-C before there was anything to report (128 + SIGINT)
