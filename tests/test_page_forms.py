@@ -284,3 +284,73 @@ def _comparable(outcome):
     if kind != "ok":
         return outcome
     return kind, tuple(v if isinstance(v, int) else page_seq_values(v) for v in value)
+
+
+# --- one rule for every form: same values, same outcome ---------------------------------------
+
+
+def _first_conflict_reference(host_pages, device_pages):
+    """The first pair whose host page or device page was paired with another page before."""
+    partner_of_host, partner_of_device = {}, {}
+    for j, (h, d) in enumerate(zip(host_pages, device_pages)):
+        if partner_of_host.setdefault(h, d) != d or partner_of_device.setdefault(d, h) != h:
+            return j
+    return None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 5)), min_size=1, max_size=12))
+def test_a_page_paired_twice_is_named_at_the_first_pair_that_shows_it_in_every_form(pairs):
+    host = [h for h, _ in pairs]
+    device = [d for _, d in pairs]
+    j = _first_conflict_reference(host, device)
+    as_pages = _outcome(lambda: _fast_pairs(Pages(host), Pages(device)))
+    host_tokens = page_tokens(np.asarray(host, dtype=np.int64), PS)
+    device_tokens = page_tokens(np.asarray(device, dtype=np.int64), PS)
+    as_tokens = _outcome(lambda: _general_pairs(host_tokens, device_tokens))
+    as_fast_tokens = _outcome(lambda: _fast_pairs(torch.from_numpy(host_tokens),
+                                                  torch.from_numpy(device_tokens)))
+    if j is None:
+        assert as_pages[0] == as_tokens[0] == as_fast_tokens[0] == "ok"
+        return
+    assert as_pages[0] is as_tokens[0] is as_fast_tokens[0] is PageAlignmentError
+    assert as_pages[1].startswith(f"pair {j}: ")
+    assert as_tokens[1].startswith(f"pair {j * PS}: ")  # the first token of that page
+    assert as_fast_tokens == as_tokens
+
+
+def _forms_of(values: list) -> dict:
+    """The same values as every accepted container (1-D and, nested once, 2-D)."""
+    array = np.asarray(values)
+    forms = {"list": list(values), "tuple": tuple(values), "array": array,
+             "array-strided": np.repeat(array, 2)[::2], "nested-list": [list(values)],
+             "nested-array": array[None, :]}
+    if array.dtype.kind in "iufb":
+        tensor = torch.from_numpy(array.copy())
+        forms.update({"tensor": tensor, "tensor-strided": tensor.repeat_interleave(2)[::2],
+                      "nested-tensor": tensor[None, :]})
+    return forms
+
+
+@pytest.mark.parametrize("values", [[3, 9, 17], [0.5, 8.0], [True, False], [2, -1], [BOUND]])
+def test_the_same_values_in_any_container_get_the_same_outcome(values):
+    """Element type first, then shape, then values: a container never changes which."""
+    flat, nested = {}, {}
+    for form, value in _forms_of(values).items():
+        outcome = _outcome(lambda value=value: _general_pages(value))
+        (nested if form.startswith("nested") else flat)[form] = (
+            outcome if outcome[0] == "ok" else outcome[0])
+    assert len(set(map(str, flat.values()))) == 1, flat
+    assert len(set(nested.values())) == 1, nested
+    kind = np.asarray(values).dtype.kind
+    expected_nested = IndexTypeError if kind in "fb" else IndexValueError
+    assert set(nested.values()) == {expected_nested}
+
+
+def test_a_list_holding_a_tensor_torch_cannot_convert_is_a_type_error():
+    grad = torch.tensor(0.0, requires_grad=True)
+    for value in ([grad], [1, grad], [[grad]]):
+        with pytest.raises(IndexTypeError, match="integers only"):
+            _general_pages(value)
+    with pytest.raises(IndexTypeError, match="integers only"):
+        _fast_pages(Pages([grad]))

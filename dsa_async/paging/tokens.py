@@ -314,11 +314,6 @@ def checked_index_array(value: IndexLike, *, name: str, upper_bound: int | None 
                 f"{name} has dtype {value.dtype}; token and page indices must be integers: "
                 f"pass {name}.long()"
             )
-        if value.dim() == 1 and not value.is_contiguous():
-            raise IndexValueError(
-                f"{name} is a non-contiguous view (stride {value.stride()}); "
-                f"pass {name}.contiguous()"
-            )
         array = value.resolve_neg().numpy()  # a lazily negated view: its values, as read
     elif isinstance(value, np.ndarray):
         if isinstance(value, np.ma.MaskedArray):
@@ -437,11 +432,14 @@ def _sequence_array(value: Sequence, name: str, upper_bound: int | None,
                 f"{name}[{at}] = {shown(int(value[at]))} is negative; indices start at 0"
             ) from None
         raise _out_of_range(name, at, int(value[at]), upper_bound, unit) from None
-    except (TypeError, ValueError) as exc:
-        _raise_if_not_ints(value, name)  # names the first element that is not an int
+    except (TypeError, ValueError, RuntimeError) as exc:  # RuntimeError: a tensor torch
+        _raise_if_not_ints(value, name)  # cannot convert; names the first element not an int
         raise IndexTypeError(f"{name} must hold integers only: {exc}") from None
     if array.ndim == 1:
         _raise_if_not_ints(value, name)
+    elif np.asarray(value).dtype.kind not in "iu":  # nested: int64 above truncated floats
+        raise IndexTypeError(f"{name} must hold integers only; it holds "
+                             f"{np.asarray(value).dtype} values")
     return array
 
 
@@ -580,14 +578,25 @@ def _unique_pairs(host_pages_all: np.ndarray, device_pages_all: np.ndarray):
     unique_keys = unique_in_order(keys)
     host_pages = unique_keys // span
     device_pages = unique_keys % span
-    for side, pages in (("host", host_pages), ("device", device_pages)):
-        if count_distinct(pages) != pages.size:
-            _, first, counts = np.unique(pages, return_index=True, return_counts=True)
-            page = int(pages[first[counts > 1].min()])
-            mine = host_pages_all if side == "host" else device_pages_all
-            other = device_pages_all if side == "host" else host_pages_all
-            where = np.flatnonzero(mine == page)
-            partners = other[where]
-            j = int(where[np.argmax(partners != partners[0])])
-            return host_pages, device_pages, (side, j, page, int(partners[0]))
-    return host_pages, device_pages, None
+    if count_distinct(host_pages) == host_pages.size and \
+            count_distinct(device_pages) == device_pages.size:
+        return host_pages, device_pages, None
+    return host_pages, device_pages, _first_conflict(host_pages_all, device_pages_all)
+
+
+def _first_conflict(host_pages: np.ndarray, device_pages: np.ndarray
+                    ) -> tuple[str, int, int, int]:
+    """The earliest pair (over both sides) whose page was paired with another page before:
+    ``(side, pair index, page, its first partner)``; one exists (the caller found a page of
+    one side with two partners). The host side wins a tie."""
+    found = None
+    for side, mine, other in (("host", host_pages, device_pages),
+                              ("device", device_pages, host_pages)):
+        _, first, inverse = np.unique(mine, return_index=True, return_inverse=True)
+        first_partner = other[first[inverse.reshape(-1)]]
+        bad = np.flatnonzero(first_partner != other)
+        if bad.size and (found is None or int(bad[0]) < found[1]):
+            j = int(bad[0])
+            found = (side, j, int(mine[j]), int(first_partner[j]))
+    assert found is not None, "a page with two partners has a pair that shows it"
+    return found
