@@ -14,6 +14,7 @@ import asyncio
 import math
 import numbers
 import operator
+import threading
 
 
 class DsaAsyncError(Exception):
@@ -193,3 +194,17 @@ def is_real_number(value: object) -> bool:
     """Whether ``value`` is a real number a caller may give for seconds: an int or float of
     any kind (numpy's included), never a bool."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def wait_bound_s(timeout_s: object, name: str = "timeout_s") -> float | None:
+    """``timeout_s`` as a bound for a thread's blocking wait: ``None`` for no bound (also for an
+    infinite one, or one longer than the platform's waits allow); ``ArgumentTypeError`` for a
+    non-number, ``ArgumentValueError`` for NaN and negative values."""
+    if timeout_s is None:
+        return None
+    if not is_real_number(timeout_s):
+        raise ArgumentTypeError(f"{name} must be a number of seconds or None, got "
+                                f"{shown(timeout_s)} ({type(timeout_s).__name__})")
+    if not timeout_s >= 0:  # negative, or NaN
+        raise ArgumentValueError(f"{name} must be >= 0 seconds or None, got {shown(timeout_s)}")
+    return None if timeout_s > threading.TIMEOUT_MAX else float(timeout_s)

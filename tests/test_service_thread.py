@@ -158,3 +158,107 @@ def test_exit_is_bounded_when_a_copy_never_ends(tmp_path):
     done = _run(script, timeout_s=90)
     assert "exiting" in done.stdout
     assert "did not close within" in done.stderr
+
+
+def test_stop_right_after_start_closes_even_when_the_loop_thread_runs_late(tmp_path, monkeypatch):
+    """start() returns while the loop thread may not have reached its loop yet (descheduled):
+    a stop() then must still close the service and end the thread, within its bound."""
+    import asyncio
+
+    from dsa_async.integrations import loop_thread
+
+    class LateLoop(asyncio.SelectorEventLoop):
+        def run_forever(self):
+            threading.Event().wait(0.3)  # a loop thread the OS ran late
+            return super().run_forever()
+
+    monkeypatch.setattr(loop_thread, "_new_loop", LateLoop)
+    for _ in range(2):
+        owner = ServiceThread.start(_config(tmp_path), make_buffers(dsa_indexer(num_layers=2), 8),
+                                    stop_at_exit=False)
+        owner.stop(WAIT_S)
+        assert owner.service.state is ServiceState.CLOSED
+        assert owner.stopped and not owner._thread.is_alive()
+    assert HostLedger(str(tmp_path / "ledger")).peek() == ()
+
+
+@pytest.mark.parametrize("unbounded", [float("inf"), 1e12, 2**2000],
+                         ids=["inf", "1e12", "2**2000"])
+def test_stop_takes_every_timeout_a_thread_wait_takes(tmp_path, unbounded):
+    """stop()'s bound reads as Transfer.wait's: beyond what a wait can bound is no bound; a
+    negative, NaN or non-number bound is refused before anything stops."""
+    from dsa_async.errors import ArgumentTypeError, ArgumentValueError
+
+    owner = ServiceThread.start(_config(tmp_path), make_buffers(dsa_indexer(num_layers=2), 8),
+                                stop_at_exit=False)
+    try:
+        for bad, error in ((-1, ArgumentValueError), (float("nan"), ArgumentValueError),
+                           (True, ArgumentTypeError), ("5", ArgumentTypeError)):
+            with pytest.raises(error, match="timeout_s"):
+                owner.stop(bad)
+            assert owner.running and owner.service.state is ServiceState.RUNNING
+        owner.stop(unbounded)
+        assert owner.stopped and owner.service.state is ServiceState.CLOSED
+    finally:
+        owner.stop(WAIT_S)
+    assert HostLedger(str(tmp_path / "ledger")).peek() == ()
+
+
+def test_run_after_stop_is_service_closed_and_makes_no_coroutine(tmp_path):
+    from dsa_async.errors import ServiceClosedError
+
+    owner = ServiceThread.start(_config(tmp_path), make_buffers(dsa_indexer(num_layers=2), 8),
+                                stop_at_exit=False)
+    assert owner.run(lambda: _answer(), timeout_s=float("inf")) == 42
+    owner.stop(WAIT_S)
+    made = []
+    with pytest.raises(ServiceClosedError, match="after stop"):
+        owner.run(lambda: made.append(1))
+    assert made == []
+
+
+async def _answer() -> int:
+    return 42
+
+
+def test_ctrl_c_during_start_closes_what_started_and_ends_the_thread(tmp_path):
+    script = _exit_script(tmp_path, [
+        "import signal",
+        "from dsa_async.transfer.cpu import CpuEngine",
+        "def slow_engine(*args, **kwargs):",
+        "    time.sleep(1.0)  # Ctrl-C lands while the engine starts",
+        "    return CpuEngine(*args, **kwargs)",
+        "threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()",
+        "started = time.monotonic()",
+        "try:",
+        "    ServiceThread.start(config, make_buffers(dsa_indexer(num_layers=2), 8),"
+        " name='dsa-async-interrupted', engine_factory=slow_engine)",
+        "except KeyboardInterrupt:",
+        "    alive = any(t.name == 'dsa-async-interrupted' for t in threading.enumerate())",
+        "    print('interrupted', 'alive' if alive else 'ended', flush=True)",
+    ])
+    done = _run(script, timeout_s=60)
+    assert done.returncode == 0, done.stderr
+    assert "interrupted ended" in done.stdout, done.stdout + done.stderr
+    assert HostLedger(str(tmp_path / "ledger")).peek() == ()
+
+
+def test_exit_after_a_stop_that_timed_out_still_waits_for_that_close(tmp_path):
+    script = _exit_script(tmp_path, [
+        "import atexit",
+        "owner = ServiceThread.start(config, make_buffers(dsa_indexer(num_layers=2), 8))",
+        "atexit.register(lambda: print('at exit', owner.service.state.value, flush=True))",
+        "gate = threading.Event()",
+        "owner.service.evict_threadsafe(tokens([1]), after=gate)",
+        "try:",
+        "    owner.stop(0.1)  # the drain waits for the gate",
+        "except TimeoutError:",
+        "    print('timed out', flush=True)",
+        "threading.Timer(0.5, gate.set).start()  # the copy ends after the host exits",
+    ])
+    done = _run(script, timeout_s=60)
+    assert done.returncode == 0, done.stderr
+    assert "timed out" in done.stdout
+    assert "at exit closed" in done.stdout, done.stdout  # the hook waited for the close
+    assert done.stderr == "", done.stderr
+    assert HostLedger(str(tmp_path / "ledger")).peek() == ()

@@ -12,7 +12,6 @@ loop.
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 import weakref
 from collections.abc import Callable, Generator
@@ -27,8 +26,8 @@ from ..errors import (
     TransferNotDoneError,
     WrongThreadError,
     int_argument,
-    is_real_number,
     shown,
+    wait_bound_s,
 )
 from ..host_memory.pool import HostPages
 from ..kinds import H2D, Direction, Timeliness
@@ -159,7 +158,7 @@ class Transfer:
         which it would block: there, ``await`` the transfer.
         """
         request = self._request
-        bound_s = _checked_timeout(timeout_s)
+        bound_s = wait_bound_s(timeout_s)
         waited_s = 0.0
         if not request.future.done():
             if _runs_a_loop():
@@ -255,7 +254,7 @@ class Transfer:
         """
         request = self._request
         layer = self._check_layer(layer)
-        timeout_s = _checked_timeout(timeout_s)
+        timeout_s = wait_bound_s(timeout_s)
         if request.num_pages == 0:
             return
         waited_from = time.perf_counter()
@@ -368,18 +367,3 @@ def _runs_a_loop() -> bool:
     except RuntimeError:
         return False
     return True
-
-
-def _checked_timeout(timeout_s: object) -> float | None:
-    """``timeout_s`` as a bound for a thread's wait: ``None`` for no bound (also for an
-    infinite one, or one longer than the platform's waits allow); refuses a non-number, NaN
-    and negative values."""
-    if timeout_s is None:
-        return None
-    if not is_real_number(timeout_s):
-        raise ArgumentTypeError(f"timeout_s must be a number of seconds or None, got "
-                                f"{shown(timeout_s)} ({type(timeout_s).__name__})")
-    if not timeout_s >= 0:  # negative, or NaN
-        raise ArgumentValueError(f"timeout_s must be >= 0 seconds or None, got "
-                                 f"{shown(timeout_s)}")
-    return None if timeout_s > threading.TIMEOUT_MAX else float(timeout_s)

@@ -21,11 +21,12 @@ import concurrent.futures
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
 from ..config import ServiceConfig
-from ..errors import WrongThreadError
+from ..errors import ServiceClosedError, WrongThreadError, wait_bound_s
 from ..front_door.service import OffloadService
 
 log = logging.getLogger(__name__)
@@ -43,14 +44,11 @@ class ServiceThread:
     """One service on an event loop of its own, in a daemon thread (see module docstring)."""
 
     def __init__(self, service: OffloadService, loop: asyncio.AbstractEventLoop,
-                 thread: threading.Thread) -> None:
+                 thread: threading.Thread, life: _Life) -> None:
         self.service = service
         self.loop = loop
         self._thread = thread
-        self._stop_lock = threading.Lock()
-        self._stopped = False
-        #: the close() that the first stop() started on the loop (later stops wait for it)
-        self._closing: concurrent.futures.Future | None = None
+        self._life = life
 
     @classmethod
     def start(cls, config: ServiceConfig, buffers: Any, *, name: str = "dsa-async-loop",
@@ -59,30 +57,32 @@ class ServiceThread:
 
         Blocks the calling thread until ``OffloadService.start()`` finished there (it checks
         the budget before allocating anything); re-raises its error, with the thread ended.
-        ``service_kwargs`` go to ``OffloadService`` (registry, fault_hook, ...)."""
+        Interrupted meanwhile (Ctrl-C), it closes what started, then re-raises, waiting at most
+        twice ``drain_timeout_s`` plus 5 s for that. ``service_kwargs`` go to
+        ``OffloadService`` (registry, fault_hook, ...)."""
         loop = _new_loop()
-        ready: concurrent.futures.Future = concurrent.futures.Future()
+        life = _Life()
 
         def run() -> None:
             asyncio.set_event_loop(loop)
             try:
-                loop.run_until_complete(_start_service(config, buffers, service_kwargs, ready))
-                if ready.exception() is None:
-                    loop.run_forever()
+                loop.run_until_complete(_own_service(config, buffers, service_kwargs, life))
             finally:
                 try:
                     loop.run_until_complete(loop.shutdown_asyncgens())
                 finally:
                     loop.close()
+                    life.loop_ended()
 
         thread = threading.Thread(target=run, name=name, daemon=True)
         thread.start()
         try:
-            service = ready.result()
+            service = life.ready.result()
         except BaseException:
-            thread.join()
+            life.request_stop()  # a start that succeeds after all closes at once
+            thread.join(_exit_bound_s(config))
             raise
-        owner = cls(service, loop, thread)
+        owner = cls(service, loop, thread, life)
         if stop_at_exit:
             _stop_at_exit(owner)
         return owner
@@ -90,51 +90,117 @@ class ServiceThread:
     def run(self, make: Callable[[], Coroutine[Any, Any, Any]], timeout_s: float | None = None
             ) -> Any:
         """Run ``make()`` (a coroutine) on the service's loop and block the calling thread for
-        its result, at most ``timeout_s``. Never call it on the loop thread."""
+        its result, at most ``timeout_s`` (``None``, or one too long for a wait: no bound).
+        Never call it on the loop thread; after ``stop()`` it raises ``ServiceClosedError``."""
         if threading.current_thread() is self._thread:
             raise WrongThreadError("ServiceThread.run() blocks; it was called on the loop thread")
-        return asyncio.run_coroutine_threadsafe(make(), self.loop).result(timeout_s)
+        bound_s = wait_bound_s(timeout_s)
+        if self._life.stop_requested.done():
+            raise ServiceClosedError("ServiceThread.run() after stop(): the loop is closing or "
+                                     "closed; start a new ServiceThread")
+        coro = make()
+        try:
+            future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        except RuntimeError:  # the loop closed meanwhile (a concurrent stop)
+            coro.close()
+            raise ServiceClosedError("ServiceThread.run() while it stopped: the loop is "
+                                     "closed; start a new ServiceThread") from None
+        return future.result(bound_s)
 
     def stop(self, timeout_s: float | None = None) -> None:
         """Drain and close the service on its loop, then end the loop and join the thread.
 
-        Blocks the calling thread at most ``timeout_s`` (``None``: until closed); any thread
-        but the loop's. The first call starts the close; every call, concurrent or later,
-        waits for that same close. Past ``timeout_s`` it raises ``TimeoutError`` and the
-        close goes on on the loop: call ``stop()`` again to wait for it."""
+        Blocks the calling thread at most ``timeout_s`` in all (``None``, or one too long for
+        a wait: until closed); any thread but the loop's. The first call starts the close;
+        every call, concurrent or later, waits for that same close. Past ``timeout_s`` it
+        raises ``TimeoutError`` and the close goes on on the loop: call ``stop()`` again to
+        wait for it. A close that failed is logged; the loop still ends."""
         if threading.current_thread() is self._thread:
             raise WrongThreadError("ServiceThread.stop() blocks; it was called on the loop thread")
-        with self._stop_lock:
-            if self._closing is None:
-                self._stopped = True
-                if self.loop.is_running():
-                    self._closing = asyncio.run_coroutine_threadsafe(self.service.close(),
-                                                                     self.loop)
-                else:
-                    self._closing = concurrent.futures.Future()
-                    self._closing.set_result(None)
-            closing = self._closing
+        bound_s = wait_bound_s(timeout_s)
+        deadline = None if bound_s is None else time.monotonic() + bound_s
+        self._life.request_stop()
         try:
-            closing.result(timeout_s)
-        except TimeoutError:
-            if not closing.done():
-                raise TimeoutError(
-                    f"the offload service did not close within {timeout_s} s; it keeps "
-                    f"closing on its loop: call stop() again to wait for it") from None
-        except Exception:  # noqa: BLE001 - the loop must still end
+            self._life.closed.result(bound_s)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(
+                f"the offload service did not close within {timeout_s} s; it keeps closing on "
+                f"its loop: call stop() again to wait for it") from None
+        except Exception:  # noqa: BLE001 - the loop ends all the same
             log.exception("closing the offload service on its loop failed")
-        if self.loop.is_running():
-            self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout_s)
+        left_s = None if deadline is None else max(0.0, deadline - time.monotonic())
+        self._thread.join(left_s)
+        if self._thread.is_alive():
+            raise TimeoutError(f"the offload service closed but its loop thread did not end "
+                               f"within {timeout_s} s: call stop() again to wait for it")
 
     @property
     def running(self) -> bool:
-        return not self._stopped and self._thread.is_alive()
+        """Whether the service runs and no ``stop()`` was asked for."""
+        return not self._life.stop_requested.done() and self._thread.is_alive()
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the service closed and the loop thread ended (what ``stop()`` waits for)."""
+        return self._life.closed.done() and not self._thread.is_alive()
+
+
+class _Life:
+    """What a ``ServiceThread``'s threads tell each other, thread-safe (plain futures):
+    ``ready`` (the service, or start's error), ``stop_requested`` (set once, by any thread),
+    ``closed`` (the close ended: ``None``, or its error)."""
+
+    def __init__(self) -> None:
+        self.ready: concurrent.futures.Future = concurrent.futures.Future()
+        self.stop_requested: concurrent.futures.Future = concurrent.futures.Future()
+        self.closed: concurrent.futures.Future = concurrent.futures.Future()
+        self._lock = threading.Lock()
+
+    def request_stop(self) -> None:
+        with self._lock:
+            if not self.stop_requested.done():
+                self.stop_requested.set_result(None)
+
+    def loop_ended(self) -> None:
+        """The loop thread's last step: a close that never ran is reported, not waited for."""
+        with self._lock:
+            if not self.closed.done():
+                self.closed.set_exception(RuntimeError(
+                    "the loop thread ended before the offload service closed"))
+
+
+async def _own_service(config: ServiceConfig, buffers: Any, kwargs: Mapping[str, Any],
+                       life: _Life) -> None:
+    """The loop thread's whole life: start the service, hand it over, run until a stop is
+    asked for, close it. A stop asked for before the start ended closes right after it."""
+    try:
+        service = OffloadService(config, buffers, **kwargs)
+        await service.start()
+    except BaseException as exc:  # noqa: BLE001 - handed to the starting thread
+        life.ready.set_exception(exc)
+        life.closed.set_result(None)  # nothing runs: nothing to close
+        return
+    life.ready.set_result(service)
+    try:
+        await asyncio.wrap_future(life.stop_requested)
+    finally:
+        try:
+            await service.close()
+        except BaseException as exc:  # noqa: BLE001 - handed to every stop()
+            life.closed.set_exception(exc)
+            if not isinstance(exc, Exception):
+                raise
+        else:
+            life.closed.set_result(None)
 
 
 #: How long the exit hook waits for the close beyond twice the drain timeout (a copy that never
 #: ends, a wedged device, must not keep the process from exiting).
 EXIT_CLOSE_GRACE_S = 5.0
+
+
+def _exit_bound_s(config: ServiceConfig) -> float:
+    return 2 * config.drain_timeout_s + EXIT_CLOSE_GRACE_S
 
 
 def _stop_at_exit(owner: ServiceThread) -> None:
@@ -143,12 +209,13 @@ def _stop_at_exit(owner: ServiceThread) -> None:
     the interpreter's own exit handlers ran, so a plain ``atexit`` hook would be too late and
     leave the engine open and the ledger reservation held. The hook holds the owner (a host
     may keep only its ``service``), runs only in the process that started it (not in a forked
-    child, where the loop thread does not exist), and waits a bounded time."""
+    child, where the loop thread does not exist), and waits a bounded time: also for a close
+    that an earlier ``stop()`` started and gave up waiting for."""
     pid = os.getpid()
-    bound_s = 2 * owner.service.config.drain_timeout_s + EXIT_CLOSE_GRACE_S
+    bound_s = _exit_bound_s(owner.service.config)
 
     def stop() -> None:
-        if os.getpid() != pid or owner._stopped:
+        if os.getpid() != pid or owner.stopped:
             return
         try:
             owner.stop(bound_s)
@@ -164,14 +231,3 @@ def _stop_at_exit(owner: ServiceThread) -> None:
         register(stop)
     except RuntimeError:  # the interpreter is already shutting down
         atexit.register(stop)
-
-
-async def _start_service(config: ServiceConfig, buffers: Any, kwargs: Mapping[str, Any],
-                         ready: concurrent.futures.Future) -> None:
-    try:
-        service = OffloadService(config, buffers, **kwargs)
-        await service.start()
-    except BaseException as exc:  # noqa: BLE001 - handed to the starting thread
-        ready.set_exception(exc)
-        return
-    ready.set_result(service)
