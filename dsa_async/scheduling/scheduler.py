@@ -247,21 +247,19 @@ class Scheduler:
     @staticmethod
     def _failed_data_dependency(request: Request, copied: bool = False
                                 ) -> BaseException | None:
-        """The error of a finished request this one needs (its backup, or its ``after=``);
-        ``copied``: this request's copy ran (its dependency was cancelled meanwhile)."""
+        """The error of a request this one needs (its backup, or its ``after=``) that ended,
+        or (``copied``: this request's copy ran) will end, cancelled or failed."""
         for dep in request.data_deps:
-            if dep.state is FINISHED and (
-                dep.future.cancelled() or dep.future.exception() is not None
-            ):
+            cancelled, cause = _unusable(dep, copied)
+            if cancelled or cause is not None:
                 error = TransferFailedError(
                     f"request {dep.seq} ({dep.direction.value}), which this "
                     f"{request.direction.value} of {request.num_pages} pages needs (the backup "
                     f"whose host pages it reads, or a Transfer named in after=), "
-                    f"{'was cancelled' if dep.future.cancelled() else 'failed'}; "
+                    f"{'was cancelled' if cancelled else 'failed'}; "
                     + ("its copy ran, but what it wrote counts as unknown" if copied
                        else "it did not run"))
-                if not dep.future.cancelled():
-                    error.__cause__ = dep.future.exception()
+                error.__cause__ = cause
                 return error
         return None
 
@@ -538,8 +536,12 @@ class Scheduler:
             handle = request.handle
             if handle is not None and all(r.cancel_requested for r in self._batches[handle]):
                 # Nobody wants this batch any more: an engine whose copy still waits for its
-                # producers or dependencies drops it (the CPU engine; on CUDA it is enqueued).
+                # producers or dependencies drops it (the CPU engine; on CUDA it is enqueued),
+                # and one that has not taken it yet ends it now.
                 handle.skip_requested = True
+                engine = self.engine  # None only once close() detached it
+                if engine is not None:
+                    engine.drop_unstarted(handle)
         return True
 
     # --- host pressure --------------------------------------------------------------------
@@ -778,3 +780,27 @@ def _waits_for_a_queued_dep(request: Request) -> bool:
         at += 1
     request.deps_left_queue = at
     return at < count
+
+
+def _unusable(dep: Request, copied: bool) -> tuple[bool, BaseException | None]:
+    """Whether ``dep`` ended cancelled, and its error when it failed. ``copied``: a copy that
+    needed ``dep`` ran, so ``dep``'s own copy ended in the engine, while its ending may not
+    have reached the loop yet (the engines hand endings over as they come): then what it
+    will end as, from its cancel flag, its batch's error, or what it needs in turn."""
+    if dep.state is FINISHED:
+        if dep.future.cancelled():
+            return True, None
+        return False, dep.future.exception()
+    if not copied:
+        return False, None
+    if dep.cancel_requested:
+        return True, None
+    handle = dep.handle
+    if handle is not None and handle.finished and handle.error is not None:
+        return False, handle.error
+    for inner in dep.data_deps:
+        cancelled, cause = _unusable(inner, copied)
+        if cancelled or cause is not None:
+            return False, cause if cause is not None else TransferFailedError(
+                f"request {inner.seq}, which it needs, was cancelled")
+    return False, None

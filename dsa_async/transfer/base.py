@@ -104,6 +104,12 @@ class TransferEngine(abc.ABC):
         the submitting thread.
         """
 
+    def drop_unstarted(self, handle: BatchHandle) -> None:
+        """``handle``'s every request was cancelled (``skip_requested``): an engine that queues
+        batches before taking them ends it now if it has not taken it yet, so its pages return
+        without waiting for the batches ahead of it. Default: nothing (the batch is enqueued on
+        a stream already, or the engine drops it when it reaches it). The loop's thread."""
+
     def abandon_waits(self) -> None:
         """Make batches still blocked on a dependency or a producer fail instead of waiting
         (close() after its drain timeout). Copies already running complete. Any thread."""

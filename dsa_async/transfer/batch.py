@@ -106,6 +106,7 @@ class BatchHandle:
         #: every request of the batch was cancelled: an engine that has not started its copy
         #: yet may drop it (set on the loop, read by the engine; a plain flag)
         self.skip_requested = False
+        self._started = False  #: the engine took it (:meth:`claim_start`)
         # One plain lock guards the state. A blocked thread parks on a lock of its own, listed
         # with what it waits for, and is woken only once that happened: a thread waiting for
         # the whole batch (or for a late layer) is not woken by every earlier layer, which on
@@ -153,17 +154,39 @@ class BatchHandle:
             self._wake_reached()
         return due
 
+    def claim_start(self) -> bool:
+        """The engine takes the batch to copy it: ``False`` when it already ended unstarted
+        (:meth:`end_unstarted`), so the engine drops it. Any thread."""
+        with self._lock:
+            if self.finished:
+                return False
+            self._started = True
+            return True
+
+    def end_unstarted(self, error: BaseException) -> list[Callable[[], None]] | None:
+        """End a batch the engine has not taken yet (every request cancelled while it still
+        queued behind others): its pending loop callbacks, or ``None`` when the engine took it
+        first (it then ends as its copy does). Any thread."""
+        with self._lock:
+            if self._started or self.finished:
+                return None
+            return self._finish(error, 0.0)
+
     def finish(self, error: BaseException | None, duration_s: float) -> list[Callable[[], None]]:
         """Record the outcome and set ``done``; returns every pending loop callback."""
         with self._lock:
-            self.error = error
-            self.duration_s = duration_s
-            if error is None:
-                self.layers_ready = self.layers_issued = self.num_layers
-            due = [cb for _, cb in self._layer_waiters]
-            self._layer_waiters = []
-            self.finished = True
-            self._wake_reached()
+            return self._finish(error, duration_s)
+
+    def _finish(self, error: BaseException | None, duration_s: float
+                ) -> list[Callable[[], None]]:
+        self.error = error
+        self.duration_s = duration_s
+        if error is None:
+            self.layers_ready = self.layers_issued = self.num_layers
+        due = [cb for _, cb in self._layer_waiters]
+        self._layer_waiters = []
+        self.finished = True
+        self._wake_reached()
         return due
 
     # --- waiter side ----------------------------------------------------------------------

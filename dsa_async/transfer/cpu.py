@@ -122,6 +122,8 @@ class CpuEngine(TransferEngine):
         q = self._queues[direction]
         staging, crew = Staging(), self._crews[direction]
         while (handle := q.get()) is not None:
+            if not handle.claim_start():
+                continue  # every request was cancelled while it queued: already ended
             due = []
             started = time.perf_counter()
             try:
@@ -139,6 +141,12 @@ class CpuEngine(TransferEngine):
             except BaseException as exc:  # noqa: BLE001 - reported to every waiter
                 error = exc
             due += handle.finish(error, time.perf_counter() - started)
+            self._report(handle, due)
+
+    def drop_unstarted(self, handle: BatchHandle) -> None:
+        due = handle.end_unstarted(
+            CopySkipped("cancelled while it queued behind other copies; it never ran"))
+        if due is not None:
             self._report(handle, due)
 
     def abandon_waits(self) -> None:
