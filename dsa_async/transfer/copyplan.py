@@ -6,7 +6,9 @@ The plan is computed once per batch and shared by every pool (they share the pag
 * host ``segments`` — maximal host-contiguous stretches; a segment whose device side is
   scattered moves with one gather (``index_select(out=host_segment)``) or one scatter
   (``index_copy_`` from it) per layer, a single pass over the bytes;
-* otherwise (scattered on both sides) a gather into a reused staging buffer then a scatter.
+* otherwise (scattered on both sides) a gather into a reused staging buffer then a scatter;
+  with a crew, whole layers are shared out between its threads instead, each layer one numpy
+  gather-scatter (:func:`_gather_scatter`).
 
 Index ops run on wide-integer views of the byte rows (``int64`` when the row size allows),
 several times faster than on ``uint8`` rows. When the device layers are one 3-D allocation,
@@ -109,17 +111,32 @@ class PagePlan:
         return (binding.fused_for_short_runs
                 or self.num_pages >= LONG_RUN_PAGES * max(1, len(self.runs)))
 
-    def layer_groups(self, binding: PoolBinding, num_layers: int) -> list[tuple[int, int]]:
+    def crew_splits_layers(self, binding: PoolBinding, crew_size: int,
+                           to_host: bool = False) -> bool:
+        """Whether a crew of ``crew_size`` threads shares this plan's layers out, one layer
+        per thread at a time: pages scattered on both sides, copied layer by layer (not
+        through a fused device view), each layer one gather-scatter (:func:`_gather_scatter`,
+        two passes over the rows that one thread runs at well under a contiguous copy's
+        speed)."""
+        return (crew_size > 1 and self.mode is CopyMode.SCATTER and self.num_pages > 0
+                and not self.uses_fused(binding, to_host))
+
+    def layer_groups(self, binding: PoolBinding, num_layers: int, crew_size: int = 1
+                     ) -> list[tuple[int, int]]:
         """Layer ranges ``[first, last)`` for a layer-by-layer load, readiness after each.
 
-        Per-layer device tensors: one layer at a time (index ops per layer anyway). A fused
+        Per-layer device tensors: one layer at a time (index ops per layer anyway), or, for
+        pages scattered on both sides with a crew of ``crew_size`` threads, that many layers
+        at a time, one per thread (:meth:`LayerCopies.run`). A fused
         3-D view moves several layers per call. From host extents the groups ramp up
         (1, 2, 4, then ``FUSED_SEGMENT_LAYERS``) so the first layers are usable at once while
         later calls run at full speed ahead of a consumer still on the early layers; scattered
         pages use groups that move ``MIN_BYTES_PER_CALL`` per page copy.
         """
         if not self.runs.size or not self.uses_fused(binding):
-            return [(layer, layer + 1) for layer in range(num_layers)]
+            step = crew_size if self.crew_splits_layers(binding, crew_size) else 1
+            return [(layer, min(layer + step, num_layers))
+                    for layer in range(0, num_layers, step)]
         if self.mode is CopyMode.SEGMENTS:
             largest, size = FUSED_SEGMENT_LAYERS, 1
         else:
@@ -166,7 +183,7 @@ class LayerCopies:
     :meth:`run`."""
 
     __slots__ = ("_binding", "_plan", "_to_host", "_crew", "_staging", "_fused", "_segments",
-                 "_per_layer")
+                 "_per_layer", "_crew_layers")
 
     def __init__(self, binding: PoolBinding, plan: PagePlan, direction: Direction,
                  staging: Staging, crew: CopyCrew | None = None) -> None:
@@ -176,13 +193,27 @@ class LayerCopies:
         self._segments = plan.mode is CopyMode.SEGMENTS and binding.host_rows_contiguous
         self._per_layer: list[tuple[Callable[[], object], ...] | None] = (
             [] if self._fused else [None] * binding.geometry.num_layers)
+        #: layers shared out between the crew's threads (each layer's call is independent)
+        self._crew_layers = crew is not None and plan.crew_splits_layers(binding, crew.size,
+                                                                          to_host)
 
     def _bind(self, layer: int) -> tuple[Callable[[], object], ...]:
         host_w, dev_w = self._binding.layers_wide[layer]
-        calls = self._per_layer[layer] = (
-            _segment_calls(host_w, dev_w, self._plan, self._to_host) if self._segments
-            else _scattered_calls(host_w, dev_w, self._plan, self._to_host, self._staging))
+        if self._segments:
+            calls = _segment_calls(host_w, dev_w, self._plan, self._to_host)
+        elif self._crew_layers:
+            calls = (_gather_scatter(host_w, dev_w, self._plan, self._to_host),)
+        else:
+            calls = _scattered_calls(host_w, dev_w, self._plan, self._to_host, self._staging)
+        self._per_layer[layer] = calls
         return calls
+
+    def _run_layers(self, layers: range) -> None:
+        per_layer = self._per_layer
+        for layer in layers:
+            calls = per_layer[layer]
+            for call in self._bind(layer) if calls is None else calls:
+                call()
 
     def bind_all(self) -> None:
         """Bind every layer not bound yet (a few us per layer). Does not copy."""
@@ -191,13 +222,13 @@ class LayerCopies:
                 self._bind(layer)
 
     def run(self, first: int, last: int) -> None:
-        """Copy layers ``[first, last)``. Blocks the calling thread."""
+        """Copy layers ``[first, last)``. Blocks the calling thread (and the crew's helpers,
+        which then copy some of the layers)."""
         if not self._fused:
-            per_layer = self._per_layer
-            for layer in range(first, last):
-                calls = per_layer[layer]
-                for call in self._bind(layer) if calls is None else calls:
-                    call()
+            if self._crew_layers and last - first > 1:
+                self._crew.map(self._run_layers, range(first, last))
+            else:
+                self._run_layers(range(first, last))
             return
         binding, plan, to_host, crew = self._binding, self._plan, self._to_host, self._crew
         host, dev = binding.host[first:last], binding.device_fused[first:last]
@@ -268,6 +299,24 @@ def _scattered_calls(host: torch.Tensor, dev: torch.Tensor, plan: PagePlan, to_h
     buffer = staging.rows(src, plan.num_pages)
     return (functools.partial(torch.index_select, src, 0, src_index, out=buffer),
             functools.partial(dst.index_copy_, 0, dst_index, buffer))
+
+
+def _gather_scatter(host: torch.Tensor, dev: torch.Tensor, plan: PagePlan, to_host: bool
+                    ) -> Callable[[], object]:
+    """One layer's copy of pages scattered on both sides as one call that needs no shared
+    staging (so crew threads can run layers side by side): numpy's ``dst[i] = src[j]``, which
+    gathers into a private temporary and scatters from it, a block per row, without the GIL.
+    ``host`` and ``dev`` in one element type (``PoolBinding.layers_wide``)."""
+    src, dst = (dev, host) if to_host else (host, dev)
+    src_index, dst_index = (
+        (plan.device_index, plan.host_index) if to_host else (plan.host_index, plan.device_index)
+    )
+    src_np, dst_np = src.numpy(), dst.numpy()
+    src_at, dst_at = src_index.numpy(), dst_index.numpy()
+
+    def copy() -> None:
+        dst_np[dst_at] = src_np[src_at]
+    return copy
 
 
 def measure_fused_for_short_runs(binding: PoolBinding, *, sample_pages: int = 16,

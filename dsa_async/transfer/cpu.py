@@ -61,10 +61,9 @@ class CpuEngine(TransferEngine):
                 raise ConfigError(
                     f"pool {name!r}: device buffers are on {b.device}; the cpu backend copies "
                     f"between CPU tensors (use backend 'cuda' for buffers on a CUDA device)")
-        # Each worker shares short strided copies through fused device views with helper
-        # threads (copy_crew.py); without such a view there are none to share.
-        fused = any(b.device_fused is not None for b in self.bindings.values())
-        helpers = crew_threads(torch.get_num_threads()) - 1 if fused else 0
+        # Each worker shares copies with helper threads (copy_crew.py): short strided copies
+        # through fused device views, and whole layers of pages scattered on both sides.
+        helpers = crew_threads(torch.get_num_threads()) - 1
         self._crews: dict[Direction, CopyCrew] = {}
         self._abandoned = threading.Event()
         self._queues = {d: queue.SimpleQueue() for d in Direction}
@@ -223,8 +222,8 @@ class CpuEngine(TransferEngine):
                 pool_copies.run(0, layers)
             return due
         # Pools share readiness, so the finest grouping of any pool sets the pace.
-        groups = min((plan.layer_groups(b, self.num_layers) for b in self.bindings.values()),
-                     key=len)
+        groups = min((plan.layer_groups(b, self.num_layers, crew.size)
+                      for b in self.bindings.values()), key=len)
         for first, last in groups:
             if self.fault_hook is not None:
                 self.fault_hook(batch, first)
