@@ -250,3 +250,148 @@ async def test_an_engine_that_cannot_start_a_thread_leaves_none_behind(monkeypat
             CpuEngine({geometry.name: binding}, LoopHandoff(asyncio.get_running_loop()),
                       lambda handle: None)
     assert _alive("dsa-async-") == before
+
+
+# --- streamed items (a load's layers, readiness as each prefix is in) -------------------------
+
+
+class _Recorder:
+    """Records which thread ran each item, what had finished at each ``reached``, and how many
+    items are running at any moment."""
+
+    def __init__(self, count: int, work=None) -> None:
+        self.lock = threading.Lock()
+        self.owner: dict[int, int] = {}
+        self.finished: set[int] = set()
+        self.reached: list[int] = []
+        self.running = 0
+        self.work = work
+        self.count = count
+
+    def item(self, i: int) -> None:
+        with self.lock:
+            assert i not in self.owner, f"item {i} ran twice"
+            self.owner[i] = threading.get_ident()
+            self.running += 1
+        try:
+            if self.work is not None:
+                self.work(i)
+        finally:
+            with self.lock:
+                self.running -= 1
+        with self.lock:
+            self.finished.add(i)
+
+    def reach(self, n: int) -> None:
+        with self.lock:
+            assert set(range(n)) <= self.finished, (n, sorted(self.finished))
+        assert threading.get_ident() == self.caller
+        self.reached.append(n)
+
+    def stream(self, crew: CopyCrew) -> None:
+        self.caller = threading.get_ident()
+        crew.stream(self.item, self.count, self.reach)
+
+
+@pytest.mark.parametrize("threads", range(1, MAX_CREW_THREADS + 1))
+@pytest.mark.parametrize("count", [0, 1, 2, 3, 7, 61])
+def test_a_stream_runs_every_item_once_and_reaches_each_prefix_in_order(threads, count):
+    crew = CopyCrew(threads - 1, f"test-stream-{threads}")
+    try:
+        for _ in range(3):  # a crew streams again and again
+            rec = _Recorder(count)
+            rec.stream(crew)
+            assert sorted(rec.owner) == list(range(count))
+            assert rec.running == 0
+            assert rec.reached == sorted(set(rec.reached))  # strictly increasing
+            assert rec.reached[-1:] == ([count] if count else [])
+            size = min(threads, count)
+            for i, ident in rec.owner.items():  # item i on thread i % size
+                assert (ident == rec.caller) == (i % size == 0), (i, size)
+            assert len(set(rec.owner.values())) == size
+    finally:
+        crew.close()
+
+
+def test_a_stream_does_not_hold_a_thread_back_for_one_that_lags(crew3):
+    """Item 1 (a helper's) waits until the calling thread has done items 3 and 6: in lockstep
+    the calling thread would wait for item 1 first, and neither would go on."""
+    caller_went_on = threading.Event()
+
+    def work(i: int) -> None:
+        if i == 1:
+            assert caller_went_on.wait(30), "the calling thread waited for item 1"
+        elif i == 6:
+            caller_went_on.set()
+
+    rec = _Recorder(9, work)
+    rec.stream(crew3)
+    assert sorted(rec.owner) == list(range(9))
+    assert rec.reached[0] == 1 and rec.reached[-1] == 9  # nothing past item 1 before it ended
+    assert rec.reached == sorted(set(rec.reached))
+
+
+@pytest.mark.parametrize("threads", [2, 3, MAX_CREW_THREADS])
+@pytest.mark.parametrize("failing", [0, 1, 2, 5, 11])
+def test_a_failed_item_stops_later_items_and_every_earlier_one_is_reached(threads, failing):
+    """Like a serial loop: the items before the failed one all run and are reached, none after
+    it starts once it failed, and its error comes back after every thread stopped."""
+    crew = CopyCrew(threads - 1, f"test-stream-fail-{threads}")
+    failed = threading.Event()
+
+    def work(i: int) -> None:
+        if i == failing:
+            failed.set()
+            raise ValueError(f"item {i} failed")
+        if i < failing and i % threads != failing % threads:
+            # earlier items of the other threads end after the failure, so they run while
+            # the others stop (those of the failing thread come before it)
+            assert failed.wait(30)
+
+    try:
+        rec = _Recorder(12, work)
+        with pytest.raises(ValueError, match=f"item {failing} failed"):
+            rec.stream(crew)
+        assert rec.running == 0  # nothing still runs once stream raised
+        assert set(range(failing)) <= rec.finished
+        assert (rec.reached[-1:] or [0]) == [failing]
+        again = _Recorder(12)  # still usable
+        again.stream(crew)
+        assert again.reached[-1] == 12
+    finally:
+        crew.close()
+
+
+def test_of_two_failed_items_the_lower_one_is_raised(crew3):
+    """Items 1 and 2 fail on different helpers; item 2 fails first: item 1's error is the one
+    a serial loop would have raised."""
+    second_failed = threading.Event()
+
+    def work(i: int) -> None:
+        if i == 2:
+            second_failed.set()
+            raise ValueError("item 2 failed")
+        if i == 1:
+            second_failed.wait(30)
+            raise ValueError("item 1 failed")
+
+    rec = _Recorder(9, work)
+    with pytest.raises(ValueError, match="item 1 failed"):
+        rec.stream(crew3)
+    assert rec.reached == [1] and rec.running == 0
+
+
+def test_an_error_from_reached_stops_every_thread(crew3):
+    calls = []
+
+    def reached(n: int) -> None:
+        calls.append(n)
+        raise RuntimeError(f"reached {n} failed")
+
+    done = []
+    with pytest.raises(RuntimeError, match="reached 1 failed"):
+        crew3.stream(done.append, 300, reached)
+    assert calls == [1]
+    ran = len(done)
+    crew3.map(lambda share: None, list(range(3)))  # the helpers are back, idle
+    assert len(done) == ran < 300

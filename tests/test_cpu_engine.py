@@ -204,3 +204,53 @@ def test_measuring_the_fused_copy_path_changes_no_device_or_host_byte(layout):
     assert torch.equal(pool.arenas[geometry.name], arena_before)
     separate = bind_pool(geometry, pool.arenas[geometry.name], [t.clone() for t in layers])
     assert separate.device_fused is None and measure_fused_for_short_runs(separate) is False
+
+
+@pytest.mark.parametrize("threads", [2, 3, 4])
+@pytest.mark.parametrize("fail_at", [None, 0, 1, 7, 30])
+async def test_a_load_of_scattered_pages_is_ready_up_to_the_layer_that_failed(
+        monkeypatch, threads, fail_at):
+    """A load scattered on both sides is copied by the crew a layer per thread without
+    lockstep: its layers still become ready in order, the bytes land, and a copy that fails at
+    a layer leaves exactly the layers before it ready, as a layer-by-layer loop would."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    done = []
+    engine, device = _engine(HostLayout.LAYER_FIRST, False, 61, True, done)
+    rng = np.random.default_rng(threads)
+    host = rng.choice(HOST_PAGES, 12, replace=False).astype(np.int64)
+    dev = rng.choice(DEVICE_PAGES, 12, replace=False).astype(np.int64)
+    arena = {name: b.host for name, b in engine.bindings.items()}
+
+    def hook(batch, layer):
+        if batch.direction is Direction.H2D and layer == fail_at:
+            raise RuntimeError(f"injected failure at layer {layer}")
+
+    try:
+        async with asyncio.timeout(60):
+            assert engine._crews[Direction.H2D].size == threads
+            engine.fault_hook = hook
+            handle = engine.submit(CopyBatch(Direction.H2D, host, dev))
+            seen: list[tuple[int, int]] = []  # (layer, layers ready when its callback ran)
+            for layer in reversed(range(61)):  # a layer ready already is seen at once
+                def record(layer=layer):
+                    seen.append((layer, handle.layers_ready))
+                if not handle.on_layer_ready(layer, record):
+                    record()
+            await asyncio.to_thread(handle.done.wait)
+            while len(seen) < 61:  # the callbacks the worker posted to the loop
+                await asyncio.sleep(0)
+            ready = 61 if fail_at is None else fail_at
+            assert handle.layers_ready == ready
+            # the ready layers in order, then (any order) the failed ones
+            assert [layer for layer, _ in seen[:ready]] == list(range(ready))
+            assert sorted(layer for layer, _ in seen[ready:]) == list(range(ready, 61))
+            assert all(ready_then > layer for layer, ready_then in seen if layer < ready)
+            assert (handle.error is None) == (fail_at is None)
+            if fail_at is not None:
+                assert f"layer {fail_at}" in str(handle.error)
+            index = torch.from_numpy(dev)
+            for name, layers in device.items():
+                for layer in range(ready):
+                    assert torch.equal(layers[layer][index], arena[name][layer][host])
+    finally:
+        await asyncio.to_thread(engine.close)

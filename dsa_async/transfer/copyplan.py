@@ -127,7 +127,8 @@ class PagePlan:
 
         Per-layer device tensors: one layer at a time (index ops per layer anyway), or, for
         pages scattered on both sides with a crew of ``crew_size`` threads, that many layers
-        at a time, one per thread (:meth:`LayerCopies.run`). A fused
+        at a time, one per thread (:meth:`LayerCopies.run`; the CPU engine streams such a load
+        layer by layer through its crew instead when every pool splits layers). A fused
         3-D view moves several layers per call. From host extents the groups ramp up
         (1, 2, 4, then ``FUSED_SEGMENT_LAYERS``) so the first layers are usable at once while
         later calls run at full speed ahead of a consumer still on the early layers; scattered
@@ -179,8 +180,9 @@ class LayerCopies:
     (views, slices, plan lookups) cost 5-7 % of an extents copy while the copy threads waited.
     A layer's calls are bound when it first runs, or ahead by :meth:`bind_all` (the CPU engine
     does that for a backup, and for a load only while it waits for a dependency or producer:
-    binding ahead must not delay a load's first layers). Not thread-safe; blocks only in
-    :meth:`run`."""
+    binding ahead must not delay a load's first layers). Not thread-safe, except that when
+    :attr:`splits_layers`, single layers may run on different threads at once (each binds only
+    its own entry); blocks only in :meth:`run`."""
 
     __slots__ = ("_binding", "_plan", "_to_host", "_crew", "_staging", "_fused", "_segments",
                  "_per_layer", "_crew_layers")
@@ -196,6 +198,12 @@ class LayerCopies:
         #: layers shared out between the crew's threads (each layer's call is independent)
         self._crew_layers = crew is not None and plan.crew_splits_layers(binding, crew.size,
                                                                           to_host)
+
+    @property
+    def splits_layers(self) -> bool:
+        """Whether each layer is one independent call that any crew thread may run
+        (:meth:`run` of a single layer, any thread, any order)."""
+        return self._crew_layers
 
     def _bind(self, layer: int) -> tuple[Callable[[], object], ...]:
         host_w, dev_w = self._binding.layers_wide[layer]
