@@ -19,7 +19,7 @@ from dsa_async.kinds import Direction
 from dsa_async.transfer import copy_crew, cpu
 from dsa_async.transfer.buffers import bind_pool
 from dsa_async.transfer.copy_crew import MAX_CREW_THREADS, CopyCrew, crew_threads
-from dsa_async.transfer.copyplan import PagePlan, Staging, copy_layers_cpu
+from dsa_async.transfer.copyplan import LONG_RUN_PAGES, PagePlan, Staging, copy_layers_cpu
 from dsa_async.transfer.cpu import CpuEngine
 from dsa_async.transfer.handoff import LoopHandoff
 
@@ -133,24 +133,46 @@ def test_short_run_copies_are_byte_exact_for_any_crew_size(geometry_of, layout, 
             crew.close()
 
 
-@pytest.mark.parametrize("device_layout", ["separate", "fused-per-layer"])
+def _pairs(pattern: str, host_pages: int, device_pages: int, n: int):
+    """``n`` page pairs: single pages scattered on both sides, runs of 4 scattered on both
+    sides, or one host extent whose device pages are runs of 4 (or, with a page short,
+    a run of 3)."""
+    rng = np.random.default_rng(len(pattern))
+    if pattern == "scattered":
+        return (rng.choice(host_pages, n, replace=False).astype(np.int64),
+                rng.choice(device_pages, n, replace=False).astype(np.int64))
+    dev = (rng.choice(device_pages // 4, -(-n // 4), replace=False)[:, None] * 4
+           + np.arange(4)).reshape(-1)[:n]
+    if pattern == "extent":
+        return np.arange(3, 3 + n, dtype=np.int64), dev.astype(np.int64)
+    host = (rng.choice(host_pages // 4, -(-n // 4), replace=False)[:, None] * 4
+            + np.arange(4)).reshape(-1)[:n]
+    return host.astype(np.int64), dev.astype(np.int64)
+
+
+# runs of 4 on average go through a fused view's run copies, not layer by layer
+@pytest.mark.parametrize(("pattern", "device_layout"), [
+    ("scattered", "separate"), ("scattered", "fused-per-layer"), ("runs", "separate"),
+    ("extent", "separate")])
 @pytest.mark.parametrize("layout", list(HostLayout), ids=lambda x: x.value)
 @pytest.mark.parametrize("direction", list(Direction), ids=lambda d: d.value)
-def test_scattered_layers_shared_out_by_a_crew_are_byte_exact(device_layout, layout, direction):
-    """Pages scattered on both sides, copied layer by layer (separate device tensors, or a
-    fused view whose per-layer path was measured faster): a crew of 2 to 4 threads shares the
-    layers out and moves exactly what one thread moves, and only the layers asked for."""
+def test_layers_shared_out_by_a_crew_are_byte_exact(pattern, device_layout, layout, direction):
+    """Pages copied layer by layer (separate device tensors, or a fused view whose per-layer
+    path was measured faster), scattered, in runs or from one host extent: a crew of 2 to 4
+    threads shares the layers out and moves exactly what one thread moves, and only the
+    layers asked for."""
     geometry = dsa_indexer(num_layers=7, host_layout=layout)
-    host_pages, device_pages_total, n = 24, 20, 10
+    host_pages, device_pages_total, n = 24, 20, 12
     arena_bytes = HostPool.create([geometry], host_pages).arenas[geometry.name].numel()
     gen = torch.Generator().manual_seed(5)
     arena_start = torch.randint(0, 256, (arena_bytes,), dtype=torch.uint8, generator=gen)
     device_start = torch.randint(0, 256, (geometry.num_layers, device_pages_total,
                                           geometry.bytes_per_page_per_layer),
                                  dtype=torch.uint8, generator=gen)
-    host = np.random.default_rng(3).choice(host_pages, n, replace=False).astype(np.int64)
-    dev = np.random.default_rng(4).choice(device_pages_total, n, replace=False).astype(np.int64)
+    host, dev = _pairs(pattern, host_pages, device_pages_total, n)
     plan = PagePlan.build(host, dev)
+    # runs of 4 on average take block copies per run, single pages the gather-scatter
+    assert (plan.num_pages >= LONG_RUN_PAGES * len(plan.runs)) == (pattern != "scattered")
     for threads in range(2, MAX_CREW_THREADS + 1):
         crew = CopyCrew(threads - 1, f"test-crew-{threads}")
         try:

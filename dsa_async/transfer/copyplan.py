@@ -6,9 +6,11 @@ The plan is computed once per batch and shared by every pool (they share the pag
 * host ``segments`` — maximal host-contiguous stretches; a segment whose device side is
   scattered moves with one gather (``index_select(out=host_segment)``) or one scatter
   (``index_copy_`` from it) per layer, a single pass over the bytes;
-* otherwise (scattered on both sides) a gather into a reused staging buffer then a scatter;
-  with a crew, whole layers are shared out between its threads instead, each layer one numpy
-  gather-scatter (:func:`_gather_scatter`).
+* otherwise (scattered on both sides) a gather into a reused staging buffer then a scatter.
+
+With a crew (the CPU engine on more than one core), every plan copied layer by layer shares
+whole layers out between the crew's threads instead, each layer one numpy call per run
+(long runs) or one numpy gather-scatter (:func:`_layer_call`), outside torch's own threads.
 
 Index ops run on wide-integer views of the byte rows (``int64`` when the row size allows),
 several times faster than on ``uint8`` rows. When the device layers are one 3-D allocation,
@@ -114,20 +116,21 @@ class PagePlan:
     def crew_splits_layers(self, binding: PoolBinding, crew_size: int,
                            to_host: bool = False) -> bool:
         """Whether a crew of ``crew_size`` threads shares this plan's layers out, one layer
-        per thread at a time: pages scattered on both sides, copied layer by layer (not
-        through a fused device view), each layer one gather-scatter (:func:`_gather_scatter`,
-        two passes over the rows that one thread runs at well under a contiguous copy's
-        speed)."""
-        return (crew_size > 1 and self.mode is CopyMode.SCATTER and self.num_pages > 0
+        per thread at a time: any plan copied layer by layer (not through a fused device
+        view), each layer one call with the GIL released (:func:`_layer_call`). One thread
+        copies a layer at well under a contiguous copy's speed, and torch's index and copy
+        ops issued from the engine's threads start intra-op teams of their own that spin
+        against each other and the forward pass (extents moved 8 and 6.5 GB/s that way
+        against 11 GB/s both ways through a crew of 2 in the same run)."""
+        return (crew_size > 1 and self.num_pages > 0
                 and not self.uses_fused(binding, to_host))
 
     def layer_groups(self, binding: PoolBinding, num_layers: int, crew_size: int = 1
                      ) -> list[tuple[int, int]]:
         """Layer ranges ``[first, last)`` for a layer-by-layer load, readiness after each.
 
-        Per-layer device tensors: one layer at a time (index ops per layer anyway), or, for
-        pages scattered on both sides with a crew of ``crew_size`` threads, that many layers
-        at a time, one per thread (:meth:`LayerCopies.run`; the CPU engine streams such a load
+        Per-layer device tensors: one layer at a time (index ops per layer anyway), or, with
+        a crew of ``crew_size`` threads, that many layers at a time, one per thread (:meth:`LayerCopies.run`; the CPU engine streams such a load
         layer by layer through its crew instead when every pool splits layers). A fused
         3-D view moves several layers per call. From host extents the groups ramp up
         (1, 2, 4, then ``FUSED_SEGMENT_LAYERS``) so the first layers are usable at once while
@@ -207,10 +210,10 @@ class LayerCopies:
 
     def _bind(self, layer: int) -> tuple[Callable[[], object], ...]:
         host_w, dev_w = self._binding.layers_wide[layer]
-        if self._segments:
+        if self._crew_layers:
+            calls = (_layer_call(host_w, dev_w, self._plan, self._to_host),)
+        elif self._segments:
             calls = _segment_calls(host_w, dev_w, self._plan, self._to_host)
-        elif self._crew_layers:
-            calls = (_gather_scatter(host_w, dev_w, self._plan, self._to_host),)
         else:
             calls = _scattered_calls(host_w, dev_w, self._plan, self._to_host, self._staging)
         self._per_layer[layer] = calls
@@ -307,6 +310,31 @@ def _scattered_calls(host: torch.Tensor, dev: torch.Tensor, plan: PagePlan, to_h
     buffer = staging.rows(src, plan.num_pages)
     return (functools.partial(torch.index_select, src, 0, src_index, out=buffer),
             functools.partial(dst.index_copy_, 0, dst_index, buffer))
+
+
+def _layer_call(host: torch.Tensor, dev: torch.Tensor, plan: PagePlan, to_host: bool
+                ) -> Callable[[], object]:
+    """One layer's copy as one call that needs no shared staging, so crew threads can run
+    layers side by side: a block copy per run when runs are long (``LONG_RUN_PAGES`` on
+    average), else a gather-scatter of rows. ``host`` and ``dev`` in one element type."""
+    if plan.num_pages >= LONG_RUN_PAGES * len(plan.runs):
+        return _run_slices(host, dev, plan, to_host)
+    return _gather_scatter(host, dev, plan, to_host)
+
+
+def _run_slices(host: torch.Tensor, dev: torch.Tensor, plan: PagePlan, to_host: bool
+                ) -> Callable[[], object]:
+    """One layer's run copies as numpy block copies (``dst[a:b] = src[c:d]``, the GIL
+    released, about a microsecond of Python each where a torch ``copy_`` costs several)."""
+    host_np, dev_np = host.numpy(), dev.numpy()
+    pairs = [(host_np[h:h + k], dev_np[d:d + k]) for h, d, k in plan.runs.tolist()]
+    if not to_host:
+        pairs = [(d, h) for h, d in pairs]  # (destination, source)
+
+    def copy() -> None:
+        for dst, src in pairs:
+            dst[...] = src
+    return copy
 
 
 def _gather_scatter(host: torch.Tensor, dev: torch.Tensor, plan: PagePlan, to_host: bool
