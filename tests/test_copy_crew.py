@@ -16,7 +16,7 @@ import torch
 from dsa_async.geometry import HostLayout, dsa_indexer, mla_kv
 from dsa_async.host_memory.pool import HostPool
 from dsa_async.kinds import Direction
-from dsa_async.transfer import copy_crew, cpu
+from dsa_async.transfer import copy_crew, cpu, layer_calls
 from dsa_async.transfer.buffers import bind_pool
 from dsa_async.transfer.copy_crew import MAX_CREW_THREADS, CopyCrew, crew_threads
 from dsa_async.transfer.copyplan import LONG_RUN_PAGES, PagePlan, Staging, copy_layers_cpu
@@ -417,3 +417,28 @@ def test_an_error_from_reached_stops_every_thread(crew3):
     ran = len(done)
     crew3.map(lambda share: None, list(range(3)))  # the helpers are back, idle
     assert len(done) == ran < 300
+
+
+@pytest.mark.parametrize("host_packed", [True, False], ids=["packed", "strided"])
+@pytest.mark.parametrize("direction", list(Direction), ids=lambda d: d.value)
+def test_a_layers_run_copy_moves_each_run_and_nothing_else(host_packed, direction):
+    """Runs of one layer by ``memmove`` (rows back to back on both sides) or by numpy views
+    (host rows strided, as in a page-first arena): each run's rows land, all other rows keep
+    their bytes, on both sides."""
+    gen = torch.Generator().manual_seed(7)
+    width = 66  # int64 words per row
+    # strided: every other row of a [60, width] block, as one layer of a page-first arena
+    host = torch.randint(-2**40, 2**40, (30 if host_packed else 60, width), generator=gen)
+    host = host if host_packed else host[::2]
+    dev = torch.randint(-2**40, 2**40, (40, width), generator=gen)
+    runs = np.array([[0, 30, 4], [10, 3, 7], [25, 17, 5]], dtype=np.int64)
+    blocks = layer_calls.RunBlocks(runs, width * 8)
+    to_host = direction is Direction.D2H
+    expected_host, expected_dev = host.clone(), dev.clone()
+    for h, d, k in runs.tolist():
+        if to_host:
+            expected_host[h:h + k] = dev[d:d + k]
+        else:
+            expected_dev[d:d + k] = host[h:h + k]
+    layer_calls.run_copy(host, dev, runs, blocks, to_host)()
+    assert torch.equal(host, expected_host) and torch.equal(dev, expected_dev)

@@ -10,7 +10,7 @@ The plan is computed once per batch and shared by every pool (they share the pag
 
 With a crew (the CPU engine on more than one core), every plan copied layer by layer shares
 whole layers out between the crew's threads instead, each layer one numpy call per run
-(long runs) or one numpy gather-scatter (:func:`_layer_call`), outside torch's own threads.
+(long runs) or one numpy gather-scatter (:mod:`.layer_calls`), outside torch's own threads.
 
 Index ops run on wide-integer views of the byte rows (``int64`` when the row size allows),
 several times faster than on ``uint8`` rows. When the device layers are one 3-D allocation,
@@ -35,6 +35,7 @@ from ..kinds import Direction
 from ..paging.runs import is_run, page_runs
 from .buffers import PoolBinding, same_width
 from .copy_crew import SERIAL_ELEMENTS, CopyCrew
+from .layer_calls import RunBlocks, gather_scatter, run_copy
 
 #: Below this many bytes per call, Python and dispatch overhead dominate a copy.
 MIN_BYTES_PER_CALL = 256 * 1024
@@ -117,7 +118,7 @@ class PagePlan:
                            to_host: bool = False) -> bool:
         """Whether a crew of ``crew_size`` threads shares this plan's layers out, one layer
         per thread at a time: any plan copied layer by layer (not through a fused device
-        view), each layer one call with the GIL released (:func:`_layer_call`). One thread
+        view), each layer one call with the GIL released (:mod:`.layer_calls`). One thread
         copies a layer at well under a contiguous copy's speed, and torch's index and copy
         ops issued from the engine's threads start intra-op teams of their own that spin
         against each other and the forward pass (extents moved 8 and 6.5 GB/s that way
@@ -188,7 +189,7 @@ class LayerCopies:
     its own entry); blocks only in :meth:`run`."""
 
     __slots__ = ("_binding", "_plan", "_to_host", "_crew", "_staging", "_fused", "_segments",
-                 "_per_layer", "_crew_layers")
+                 "_per_layer", "_crew_layers", "_blocks")
 
     def __init__(self, binding: PoolBinding, plan: PagePlan, direction: Direction,
                  staging: Staging, crew: CopyCrew | None = None) -> None:
@@ -201,6 +202,21 @@ class LayerCopies:
         #: layers shared out between the crew's threads (each layer's call is independent)
         self._crew_layers = crew is not None and plan.crew_splits_layers(binding, crew.size,
                                                                           to_host)
+        self._blocks: RunBlocks | None = None  #: the runs in bytes, made at the first layer
+
+    def _layer_call(self, host_w: torch.Tensor, dev_w: torch.Tensor) -> Callable[[], object]:
+        """One layer's copy as one call for a crew thread: a block copy per run when runs
+        are long (``LONG_RUN_PAGES`` on average), else a gather-scatter of rows."""
+        plan = self._plan
+        if plan.num_pages < LONG_RUN_PAGES * len(plan.runs):
+            return gather_scatter(host_w, dev_w, plan.host_index, plan.device_index,
+                                  self._to_host)
+        row_bytes = host_w.shape[1] * host_w.element_size()
+        blocks = self._blocks
+        if blocks is None or blocks.row_bytes != row_bytes:
+            # two threads may both make it for their first layers: the same value
+            blocks = self._blocks = RunBlocks(plan.runs, row_bytes)
+        return run_copy(host_w, dev_w, plan.runs, blocks, self._to_host)
 
     @property
     def splits_layers(self) -> bool:
@@ -211,7 +227,7 @@ class LayerCopies:
     def _bind(self, layer: int) -> tuple[Callable[[], object], ...]:
         host_w, dev_w = self._binding.layers_wide[layer]
         if self._crew_layers:
-            calls = (_layer_call(host_w, dev_w, self._plan, self._to_host),)
+            calls = (self._layer_call(host_w, dev_w),)
         elif self._segments:
             calls = _segment_calls(host_w, dev_w, self._plan, self._to_host)
         else:
@@ -310,49 +326,6 @@ def _scattered_calls(host: torch.Tensor, dev: torch.Tensor, plan: PagePlan, to_h
     buffer = staging.rows(src, plan.num_pages)
     return (functools.partial(torch.index_select, src, 0, src_index, out=buffer),
             functools.partial(dst.index_copy_, 0, dst_index, buffer))
-
-
-def _layer_call(host: torch.Tensor, dev: torch.Tensor, plan: PagePlan, to_host: bool
-                ) -> Callable[[], object]:
-    """One layer's copy as one call that needs no shared staging, so crew threads can run
-    layers side by side: a block copy per run when runs are long (``LONG_RUN_PAGES`` on
-    average), else a gather-scatter of rows. ``host`` and ``dev`` in one element type."""
-    if plan.num_pages >= LONG_RUN_PAGES * len(plan.runs):
-        return _run_slices(host, dev, plan, to_host)
-    return _gather_scatter(host, dev, plan, to_host)
-
-
-def _run_slices(host: torch.Tensor, dev: torch.Tensor, plan: PagePlan, to_host: bool
-                ) -> Callable[[], object]:
-    """One layer's run copies as numpy block copies (``dst[a:b] = src[c:d]``, the GIL
-    released, about a microsecond of Python each where a torch ``copy_`` costs several)."""
-    host_np, dev_np = host.numpy(), dev.numpy()
-    pairs = [(host_np[h:h + k], dev_np[d:d + k]) for h, d, k in plan.runs.tolist()]
-    if not to_host:
-        pairs = [(d, h) for h, d in pairs]  # (destination, source)
-
-    def copy() -> None:
-        for dst, src in pairs:
-            dst[...] = src
-    return copy
-
-
-def _gather_scatter(host: torch.Tensor, dev: torch.Tensor, plan: PagePlan, to_host: bool
-                    ) -> Callable[[], object]:
-    """One layer's copy of pages scattered on both sides as one call that needs no shared
-    staging (so crew threads can run layers side by side): numpy's ``dst[i] = src[j]``, which
-    gathers into a private temporary and scatters from it, a block per row, without the GIL.
-    ``host`` and ``dev`` in one element type (``PoolBinding.layers_wide``)."""
-    src, dst = (dev, host) if to_host else (host, dev)
-    src_index, dst_index = (
-        (plan.device_index, plan.host_index) if to_host else (plan.host_index, plan.device_index)
-    )
-    src_np, dst_np = src.numpy(), dst.numpy()
-    src_at, dst_at = src_index.numpy(), dst_index.numpy()
-
-    def copy() -> None:
-        dst_np[dst_at] = src_np[src_at]
-    return copy
 
 
 def measure_fused_for_short_runs(binding: PoolBinding, *, sample_pages: int = 16,
