@@ -278,6 +278,23 @@ def test_a_tensor_with_a_lazy_negation_bit_is_read_as_its_values(values, dtype):
         assert _comparable(a) == _comparable(b)
 
 
+@pytest.mark.parametrize("values", [[3, 9, 10, 11, 70], list(range(16, 32)), [40 * PS + 1]])
+def test_a_negated_view_of_valid_indices_is_refused_as_its_negative_values(values):
+    """The other way round: memory holding valid indices, viewed as their negatives. What is
+    read is negative, so it is refused exactly as those values held plainly are (a reader of
+    the raw memory would take valid pages that the caller never named)."""
+    plain = torch.tensor(values, dtype=torch.int64)
+    lazy = torch._neg_view(plain)
+    negative = torch.tensor([-v for v in values], dtype=torch.int64)
+    for call in (lambda t: tokens_to_page_seq(t, "x", BOUND, PS),
+                 lambda t: tokens_to_page_seq(Pages(t), "x", BOUND, PS),
+                 lambda t: paired_page_seqs(t, t, host_bound=BOUND, device_bound=BOUND,
+                                            page_size_tokens=PS)):
+        outcome = _outcome(lambda: call(lazy))
+        assert outcome[0] is IndexValueError, outcome
+        assert _comparable(outcome) == _comparable(_outcome(lambda: call(negative)))
+
+
 def _comparable(outcome):
     """An outcome of :func:`_outcome` with every page sequence as a list of ints."""
     kind, value = outcome

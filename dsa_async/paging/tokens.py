@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from ..errors import IndexTypeError, IndexValueError, PageAlignmentError, shown
+from .tensor_view import int64_view, is_negated
 from .runs import NO_PAGES, PageSeq, compact, count_distinct, distinct, is_run, unique_in_order
 
 #: An index argument: a 1-D integer CPU tensor, numpy array, sequence of ints, or range.
@@ -159,9 +160,9 @@ def _fast_form(value: IndexLike, upper_bound: int) -> range | np.ndarray | None:
     caller validates anything that is not a range in full, which raises what is wrong."""
     if type(value) is torch.Tensor:
         if (value.dtype is not _INT64 or not value.is_cpu or value.dim() != 1
-                or not value.is_contiguous() or value.is_neg()):
+                or not value.is_contiguous() or is_negated(value)):
             return None
-        array = value.numpy()
+        array = int64_view(value)  # not value.numpy(): that lets go of the GIL
     elif type(value) is np.ndarray:
         if value.dtype is not _NP_INT64 or value.ndim != 1:
             return None
