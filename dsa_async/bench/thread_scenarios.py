@@ -1,4 +1,5 @@
-"""The front door from a thread without an event loop, against the same work on the loop.
+"""The front door from a thread without an event loop, and the loop next to a thread busy in
+Python, against the same work on a quiet loop.
 
 Scenarios run on a worker thread that has no event loop (registry.py), the situation of a
 server's scheduler or forward-pass thread, so the thread rounds run right there.
@@ -7,6 +8,7 @@ server's scheduler or forward-pass thread, so the thread rounds run right there.
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 
 import torch
@@ -24,6 +26,15 @@ THREADSAFE_RATIO = register_target(Target(
     "(release_threadsafe) from that thread, until the loop has taken the last release; "
     "per-request wall time / the same workload on the loop, in interleaved pairs of rounds of "
     "the same run; median of the per-pair ratios"))
+
+BUSY_THREAD_RATIO = register_target(Target(
+    "scheduler.busy_thread_overhead_ratio", Comparison.AT_MOST, 2.5, "",
+    "the scheduler.overhead_us_per_request workload on the loop while another thread of the "
+    "process runs Python the whole round (as a server's scheduler or forward-pass thread "
+    "does) / the same workload with no such thread, in interleaved pairs of rounds of the "
+    "same run; median of the per-pair ratios. Two threads that share the GIL evenly read "
+    "about 2; each call on the request path that lets go of the GIL can cost the loop a "
+    "whole switch interval (sys.getswitchinterval()) before it runs again"))
 
 #: A bound on any single wait of the thread rounds: reached only if the service hangs.
 WAIT_BOUND_S = 60.0
@@ -69,3 +80,41 @@ def threadsafe(ctx: BenchContext) -> dict[str, float]:
                  f"thread, {statistics.median(loop_us):.1f} us on the loop; "
                  f"{wakeups} loop wake-ups for {(len(ratios) + 1) * 2 * len(requests)} hand-offs")
     return {THREADSAFE_RATIO.name: statistics.median(ratios)}
+
+
+def _spin(stop: threading.Event) -> None:
+    """Pure-Python work until ``stop`` is set: a thread that wants the GIL all the time."""
+    count = 0
+    while not stop.is_set():
+        for _ in range(1000):
+            count += 1
+
+
+@register_scenario
+def busy_thread(ctx: BenchContext) -> dict[str, float]:
+    ctx.progress("busy thread: the overhead workload on the loop next to a thread running Python")
+    service, _ = bench_service(ctx, 4096, NoopEngine, DEVICE_PAGES)
+    requests = token_requests(1000, ctx.seed)
+    ctx.run_on_loop(service.start())
+    try:
+        ratios, quiet_us, busy_us = [], [], []
+        for round_ in range(max(ctx.pairs, 5) + 1):
+            ctx.check_stop()
+            quiet = ctx.run_on_loop(overhead_round_us(service, requests))
+            stop = threading.Event()
+            spinner = threading.Thread(target=_spin, args=(stop,), name="bench-busy-python")
+            spinner.start()
+            try:
+                busy = ctx.run_on_loop(overhead_round_us(service, requests))
+            finally:
+                stop.set()
+                spinner.join()
+            if round_:  # the first pair warms allocators and caches
+                ratios.append(busy / quiet)
+                quiet_us.append(quiet)
+                busy_us.append(busy)
+    finally:
+        ctx.run_on_loop(service.close())
+    ctx.progress(f"busy thread: {statistics.median(busy_us):.1f} us per request next to it, "
+                 f"{statistics.median(quiet_us):.1f} us without it")
+    return {BUSY_THREAD_RATIO.name: statistics.median(ratios)}

@@ -36,8 +36,9 @@ import numpy as np
 import torch
 
 from ..errors import IndexTypeError, IndexValueError, PageAlignmentError, shown
+from .runs import (NO_PAGES, PageSeq, compact, count_distinct, distinct, is_run, run_array,
+                   unique_in_order)
 from .tensor_view import int64_view, is_negated
-from .runs import NO_PAGES, PageSeq, compact, count_distinct, distinct, is_run, unique_in_order
 
 #: An index argument: a 1-D integer CPU tensor, numpy array, sequence of ints, or range.
 IndexLike = torch.Tensor | np.ndarray | Sequence[int] | range
@@ -489,7 +490,7 @@ def tokens_to_pages(tokens: np.ndarray, page_size_tokens: int, *,
     if n and (is_run(tokens) if is_range is None else is_range):
         # One ascending range (the common case): no sort, no unique.
         first, last = int(tokens[0]) // page_size_tokens, int(tokens[-1]) // page_size_tokens
-        pages = np.arange(first, last + 1, dtype=np.int64)
+        pages = run_array(first, last + 1)
         return PagedTokens(pages, n, pages.size * page_size_tokens - n)
     pages = unique_in_order(tokens // page_size_tokens)
     distinct = count_distinct(tokens)
