@@ -14,7 +14,6 @@ import sys
 import threading
 
 import numpy as np
-import pytest
 import torch
 
 from dsa_async.paging.tokens import Pages
