@@ -91,9 +91,14 @@ async def test_small_requests_from_a_thread_keep_the_gil(tmp_path):
                 service.release_threadsafe(service.evict_threadsafe(request).wait(30).host_pages)
             sys.setprofile(watch)
             try:
-                transfers = [service.evict_threadsafe(request) for request in requests]
-                for transfer in transfers:
-                    service.release_threadsafe(transfer.wait(30).host_pages)
+                backups = [service.evict_threadsafe(request).wait(30) for request in requests]
+                loads = [service.prefetch_threadsafe(b.host_pages, request)
+                         for b, request in zip(backups, requests)]
+                for load in loads:
+                    load.wait_layer(0, 30)
+                    load.wait(30)
+                for backup in backups:
+                    service.release_threadsafe(backup.host_pages)
             finally:
                 sys.setprofile(None)
 
