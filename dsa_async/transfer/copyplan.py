@@ -9,7 +9,7 @@ The plan is computed once per batch and shared by every pool (they share the pag
 * otherwise (scattered on both sides) a gather into a reused staging buffer then a scatter.
 
 With a crew (the CPU engine on more than one core), every plan copied layer by layer shares
-whole layers out between the crew's threads instead, each layer one numpy call per run
+whole layers out between the crew's threads instead, each layer one ``memmove`` per run
 (long runs) or one numpy gather-scatter (:mod:`.layer_calls`), outside torch's own threads.
 
 Index ops run on wide-integer views of the byte rows (``int64`` when the row size allows),
@@ -131,8 +131,9 @@ class PagePlan:
         """Layer ranges ``[first, last)`` for a layer-by-layer load, readiness after each.
 
         Per-layer device tensors: one layer at a time (index ops per layer anyway), or, with
-        a crew of ``crew_size`` threads, that many layers at a time, one per thread (:meth:`LayerCopies.run`; the CPU engine streams such a load
-        layer by layer through its crew instead when every pool splits layers). A fused
+        a crew of ``crew_size`` threads, that many layers at a time, one per thread
+        (:meth:`LayerCopies.run`; the CPU engine streams such a load layer by layer through
+        its crew instead when every pool splits layers). A fused
         3-D view moves several layers per call. From host extents the groups ramp up
         (1, 2, 4, then ``FUSED_SEGMENT_LAYERS``) so the first layers are usable at once while
         later calls run at full speed ahead of a consumer still on the early layers; scattered
