@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsa_async.errors import IndexTypeError, IndexValueError, PageAlignmentError
-from dsa_async.paging.runs import expand_runs, page_runs
+from dsa_async.paging.runs import expand_runs, is_run, page_runs, run_array
 from dsa_async.paging.tokens import as_index_array, pair_tokens_to_pages, tokens_to_pages
 
 PS = 64
@@ -136,3 +136,26 @@ def test_unsigned_indices_beyond_int64_are_named_as_given(upper_bound, reason):
         as_index_array(value, name="t", upper_bound=upper_bound)
     assert as_index_array(np.array([5, 2**63 - 1], dtype=np.uint64), name="t").tolist() == [
         5, 2**63 - 1]
+
+
+_EDGES = [0, 1, 2, 499, 500, 501, (1 << 17) - 600, (1 << 17) - 1, 1 << 17, (1 << 17) + 3,
+          2**40]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(_EDGES), st.integers(-3, 3), st.integers(0, 700), st.integers(-1, 699))
+def test_runs_are_made_and_recognised_as_numpy_would(base, shift, length, bump):
+    """``run_array`` equals ``np.arange`` and ``is_run`` the plain definition, for runs inside,
+    across and past the constant the short ones come from, and for arrays one value off."""
+    start = max(0, base + shift)
+    made = run_array(start, start + length)
+    np.testing.assert_array_equal(made, np.arange(start, start + length, dtype=np.int64))
+    assert made.dtype == np.int64 and made.flags.writeable
+    if length == 0:
+        return
+    values = made.copy()
+    expected = True
+    if 0 <= bump < length and length > 1:  # one value off: no longer a run
+        values[bump] += 1 if bump < length - 1 else -(length + 1)
+        expected = bool((np.diff(values) == 1).all())
+    assert is_run(values) == expected

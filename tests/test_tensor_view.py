@@ -14,9 +14,10 @@ from dsa_async.paging import tensor_view
 from dsa_async.paging.tensor_view import int64_view, is_negated
 
 
-@pytest.mark.parametrize("start,stop", [(0, 0), (0, 1), (0, 300), (7, 300), (299, 300)])
+@pytest.mark.parametrize("start,stop", [(0, 0), (0, 1), (0, 300), (7, 300), (299, 300),
+                                        (0, 513), (5, 2000)])
 def test_the_view_reads_and_writes_the_tensors_memory(start, stop):
-    whole = torch.randint(-2**62, 2**62, (300,), dtype=torch.int64,
+    whole = torch.randint(-2**62, 2**62, (2000,), dtype=torch.int64,
                           generator=torch.Generator().manual_seed(start))
     tensor = whole[start:stop]  # a storage offset, as a slice of a larger buffer has
     view = int64_view(tensor)
@@ -28,14 +29,15 @@ def test_the_view_reads_and_writes_the_tensors_memory(start, stop):
         assert view.flags.c_contiguous and view.flags.aligned and view.flags.writeable
 
 
-def test_the_view_keeps_the_tensor_alive():
-    tensor = torch.arange(1000, 1100)
+@pytest.mark.parametrize("n", [100, 5000])
+def test_the_view_keeps_the_tensor_alive(n):
+    tensor = torch.arange(1000, 1000 + n)
     alive = weakref.ref(tensor)
     view = int64_view(tensor)
     del tensor
     gc.collect()
     assert alive() is not None
-    np.testing.assert_array_equal(view, np.arange(1000, 1100))
+    np.testing.assert_array_equal(view, np.arange(1000, 1000 + n))
     del view
     gc.collect()
     assert alive() is None

@@ -36,14 +36,13 @@ import numpy as np
 import torch
 
 from ..errors import IndexTypeError, IndexValueError, PageAlignmentError, shown
-from .runs import (NO_PAGES, PageSeq, compact, count_distinct, distinct, is_run, run_array,
-                   unique_in_order)
-from .tensor_view import int64_view, is_negated
+from .runs import (NO_PAGES, PageSeq, compact, count_distinct, distinct, is_run, is_run_between,
+                   run_array, unique_in_order)
+from .tensor_view import plain_int64_view
 
 #: An index argument: a 1-D integer CPU tensor, numpy array, sequence of ints, or range.
 IndexLike = torch.Tensor | np.ndarray | Sequence[int] | range
 
-_INT64 = torch.int64
 _NP_INT64 = np.dtype(np.int64)
 
 
@@ -160,10 +159,9 @@ def _fast_form(value: IndexLike, upper_bound: int) -> range | np.ndarray | None:
     contiguous ``int64`` CPU tensor or array, its (unvalidated) numpy view; else ``None``. The
     caller validates anything that is not a range in full, which raises what is wrong."""
     if type(value) is torch.Tensor:
-        if (value.dtype is not _INT64 or not value.is_cpu or value.dim() != 1
-                or not value.is_contiguous() or is_negated(value)):
+        array = plain_int64_view(value)  # not value.numpy(): that lets go of the GIL
+        if array is None:
             return None
-        array = int64_view(value)  # not value.numpy(): that lets go of the GIL
     elif type(value) is np.ndarray:
         if value.dtype is not _NP_INT64 or value.ndim != 1:
             return None
@@ -178,7 +176,7 @@ def _fast_form(value: IndexLike, upper_bound: int) -> range | np.ndarray | None:
     if n == 0:
         return NO_PAGES
     first, last = array.item(0), array.item(-1)
-    if first < 0 or last >= upper_bound or not is_run(array):
+    if first < 0 or last >= upper_bound or not is_run_between(array, first, last):
         return array
     return range(first, last + 1)
 
