@@ -89,6 +89,25 @@ def test_crew_size_follows_torch_threads_within_bounds():
     assert CopyCrew(0, "alone").size == 1
 
 
+def _start_bytes(geometry, host_pages: int, device_pages: int, seed: int):
+    """Random bytes for a pool's arena of ``host_pages`` and ``[layers, device_pages, row]``
+    device bytes, to start each compared copy from."""
+    arena_bytes = HostPool.create([geometry], host_pages).arenas[geometry.name].numel()
+    gen = torch.Generator().manual_seed(seed)
+    arena = torch.randint(0, 256, (arena_bytes,), dtype=torch.uint8, generator=gen)
+    device = torch.randint(0, 256, (geometry.num_layers, device_pages,
+                                    geometry.bytes_per_page_per_layer),
+                           dtype=torch.uint8, generator=gen)
+    return arena, device
+
+
+def _fresh_arena(geometry, host_pages: int, arena_start: torch.Tensor) -> torch.Tensor:
+    """A new pool's arena holding ``arena_start``."""
+    arena = HostPool.create([geometry], host_pages).arenas[geometry.name]
+    arena.view(-1).copy_(arena_start)
+    return arena
+
+
 @pytest.mark.parametrize("geometry_of", [dsa_indexer, mla_kv], ids=["indexer", "kv"])
 @pytest.mark.parametrize("layout", list(HostLayout), ids=lambda x: x.value)
 @pytest.mark.parametrize("direction", list(Direction), ids=lambda d: d.value)
@@ -97,12 +116,7 @@ def test_short_run_copies_are_byte_exact_for_any_crew_size(geometry_of, layout, 
     threads: the same bytes as a crew-less copy."""
     geometry = geometry_of(num_layers=9, host_layout=layout)
     host_pages, device_pages_total, n = 24, 20, 12
-    arena_bytes = HostPool.create([geometry], host_pages).arenas[geometry.name].numel()
-    gen = torch.Generator().manual_seed(11)
-    arena_start = torch.randint(0, 256, (arena_bytes,), dtype=torch.uint8, generator=gen)
-    device_start = torch.randint(0, 256, (geometry.num_layers, device_pages_total,
-                                          geometry.bytes_per_page_per_layer),
-                                 dtype=torch.uint8, generator=gen)
+    arena_start, device_start = _start_bytes(geometry, host_pages, device_pages_total, 11)
     # single pages scattered on both sides, then one run of 4 on both sides
     host = np.concatenate((np.random.default_rng(1).choice(20, n - 4, replace=False),
                            np.arange(20, 24))).astype(np.int64)
@@ -114,11 +128,9 @@ def test_short_run_copies_are_byte_exact_for_any_crew_size(geometry_of, layout, 
         try:
             results = []
             for use_crew in (False, True):
-                pool = HostPool.create([geometry], host_pages)
-                arena = pool.arenas[geometry.name]
-                arena.view(-1).copy_(arena_start)
+                arena = _fresh_arena(geometry, host_pages, arena_start)
                 device = device_start.clone()
-                binding = bind_pool(geometry, arena, [device[i] for i in range(geometry.num_layers)])
+                binding = bind_pool(geometry, arena, list(device))
                 assert binding.device_fused is not None
                 copy_layers_cpu(binding, plan, direction, 2, 8, Staging(),
                                 crew if use_crew else None)
@@ -163,12 +175,7 @@ def test_layers_shared_out_by_a_crew_are_byte_exact(pattern, device_layout, layo
     layers asked for."""
     geometry = dsa_indexer(num_layers=7, host_layout=layout)
     host_pages, device_pages_total, n = 24, 20, 12
-    arena_bytes = HostPool.create([geometry], host_pages).arenas[geometry.name].numel()
-    gen = torch.Generator().manual_seed(5)
-    arena_start = torch.randint(0, 256, (arena_bytes,), dtype=torch.uint8, generator=gen)
-    device_start = torch.randint(0, 256, (geometry.num_layers, device_pages_total,
-                                          geometry.bytes_per_page_per_layer),
-                                 dtype=torch.uint8, generator=gen)
+    arena_start, device_start = _start_bytes(geometry, host_pages, device_pages_total, 5)
     host, dev = _pairs(pattern, host_pages, device_pages_total, n)
     plan = PagePlan.build(host, dev)
     # runs of 4 on average take block copies per run, single pages the gather-scatter
@@ -178,9 +185,7 @@ def test_layers_shared_out_by_a_crew_are_byte_exact(pattern, device_layout, layo
         try:
             results = []
             for use_crew in (False, True):
-                pool = HostPool.create([geometry], host_pages)
-                arena = pool.arenas[geometry.name]
-                arena.view(-1).copy_(arena_start)
+                arena = _fresh_arena(geometry, host_pages, arena_start)
                 device = device_start.clone()
                 layers = ([device[i].clone() for i in range(geometry.num_layers)]
                           if device_layout == "separate" else list(device))

@@ -7,9 +7,12 @@ server's scheduler or forward-pass thread, so the thread rounds run right there.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import threading
 import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -53,33 +56,59 @@ def thread_round_us(service: OffloadService, requests: list[torch.Tensor]) -> fl
     return (time.perf_counter() - started) / len(requests) * 1e6
 
 
+@dataclass(frozen=True)
+class _Pairs:
+    """Interleaved pairs of rounds (the first pair dropped): per request (us) on the quiet
+    loop and the other way, and their per-pair ratios."""
+
+    loop_us: list[float]
+    other_us: list[float]
+
+    @property
+    def ratio(self) -> float:
+        return statistics.median(o / q for o, q in zip(self.other_us, self.loop_us))
+
+
+def _paired_rounds(ctx: BenchContext, service: OffloadService, requests: list[torch.Tensor],
+                   other_round: Callable[[], float]) -> _Pairs:
+    """The overhead workload on the quiet loop, then ``other_round()``, in pairs."""
+    pairs = _Pairs([], [])
+    for round_ in range(max(ctx.pairs, 5) + 1):
+        ctx.check_stop()
+        on_loop = ctx.run_on_loop(overhead_round_us(service, requests))
+        other = other_round()
+        if round_:  # the first pair warms allocators and caches
+            pairs.loop_us.append(on_loop)
+            pairs.other_us.append(other)
+    return pairs
+
+
+@contextlib.contextmanager
+def _overhead_service(ctx: BenchContext) -> Iterator[tuple[OffloadService, list[torch.Tensor]]]:
+    """A started no-op-engine service and the overhead workload's requests; closed after."""
+    service, _ = bench_service(ctx, 4096, NoopEngine, DEVICE_PAGES)
+    ctx.run_on_loop(service.start())
+    try:
+        yield service, token_requests(1000, ctx.seed)
+    finally:
+        ctx.run_on_loop(service.close())
+
+
 @register_scenario
 def threadsafe(ctx: BenchContext) -> dict[str, float]:
     ctx.progress("threadsafe: the overhead workload from a thread without an event loop")
-    service, _ = bench_service(ctx, 4096, NoopEngine, DEVICE_PAGES)
-    requests = token_requests(1000, ctx.seed)
-    ctx.run_on_loop(service.start())
-    try:
-        ratios, loop_us, thread_us = [], [], []
+    with _overhead_service(ctx) as (service, requests):
         wakeups_before = service.thread_wakeups
-        for round_ in range(max(ctx.pairs, 5) + 1):
-            ctx.check_stop()
-            on_loop = ctx.run_on_loop(overhead_round_us(service, requests))
-            from_thread = thread_round_us(service, requests)
-            if round_:  # the first pair warms allocators and caches
-                ratios.append(from_thread / on_loop)
-                loop_us.append(on_loop)
-                thread_us.append(from_thread)
+        pairs = _paired_rounds(ctx, service, requests,
+                               lambda: thread_round_us(service, requests))
         stats = service.call_threadsafe(service.statistics).result(WAIT_BOUND_S)
         if stats.used_pages:
             raise AssertionError(f"{stats.used_pages} host pages still held after the rounds")
         wakeups = service.thread_wakeups - wakeups_before
-    finally:
-        ctx.run_on_loop(service.close())
-    ctx.progress(f"threadsafe: {statistics.median(thread_us):.1f} us per request from the "
-                 f"thread, {statistics.median(loop_us):.1f} us on the loop; "
-                 f"{wakeups} loop wake-ups for {(len(ratios) + 1) * 2 * len(requests)} hand-offs")
-    return {THREADSAFE_RATIO.name: statistics.median(ratios)}
+    ctx.progress(f"threadsafe: {statistics.median(pairs.other_us):.1f} us per request from the "
+                 f"thread, {statistics.median(pairs.loop_us):.1f} us on the loop; {wakeups} "
+                 f"loop wake-ups for {(len(pairs.loop_us) + 1) * 2 * len(requests)} hand-offs")
+    return {THREADSAFE_RATIO.name: pairs.ratio}
 
 
 def _spin(stop: threading.Event) -> None:
@@ -90,31 +119,25 @@ def _spin(stop: threading.Event) -> None:
             count += 1
 
 
+def _round_next_to_busy_thread(ctx: BenchContext, service: OffloadService,
+                               requests: list[torch.Tensor]) -> float:
+    """One overhead round on the loop while a thread runs Python (started and stopped here)."""
+    stop = threading.Event()
+    spinner = threading.Thread(target=_spin, args=(stop,), name="bench-busy-python")
+    spinner.start()
+    try:
+        return ctx.run_on_loop(overhead_round_us(service, requests))
+    finally:
+        stop.set()
+        spinner.join()
+
+
 @register_scenario
 def busy_thread(ctx: BenchContext) -> dict[str, float]:
     ctx.progress("busy thread: the overhead workload on the loop next to a thread running Python")
-    service, _ = bench_service(ctx, 4096, NoopEngine, DEVICE_PAGES)
-    requests = token_requests(1000, ctx.seed)
-    ctx.run_on_loop(service.start())
-    try:
-        ratios, quiet_us, busy_us = [], [], []
-        for round_ in range(max(ctx.pairs, 5) + 1):
-            ctx.check_stop()
-            quiet = ctx.run_on_loop(overhead_round_us(service, requests))
-            stop = threading.Event()
-            spinner = threading.Thread(target=_spin, args=(stop,), name="bench-busy-python")
-            spinner.start()
-            try:
-                busy = ctx.run_on_loop(overhead_round_us(service, requests))
-            finally:
-                stop.set()
-                spinner.join()
-            if round_:  # the first pair warms allocators and caches
-                ratios.append(busy / quiet)
-                quiet_us.append(quiet)
-                busy_us.append(busy)
-    finally:
-        ctx.run_on_loop(service.close())
-    ctx.progress(f"busy thread: {statistics.median(busy_us):.1f} us per request next to it, "
-                 f"{statistics.median(quiet_us):.1f} us without it")
-    return {BUSY_THREAD_RATIO.name: statistics.median(ratios)}
+    with _overhead_service(ctx) as (service, requests):
+        pairs = _paired_rounds(ctx, service, requests,
+                               lambda: _round_next_to_busy_thread(ctx, service, requests))
+    ctx.progress(f"busy thread: {statistics.median(pairs.other_us):.1f} us per request next to "
+                 f"it, {statistics.median(pairs.loop_us):.1f} us without it")
+    return {BUSY_THREAD_RATIO.name: pairs.ratio}
