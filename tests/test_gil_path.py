@@ -81,14 +81,19 @@ async def test_small_requests_on_the_loop_keep_the_gil(tmp_path):
 
 
 async def test_small_requests_from_a_thread_keep_the_gil(tmp_path):
+    """Watched on the submitting thread and on the loop, which takes what threads post."""
     service, _ = make_service(tmp_path, layers=2, host_pages=64, device_pages=24)
     async with service, asyncio.timeout(60):
         requests = _small_requests()
-        watch = _Watch()
+        watch, loop_watch = _Watch(), _Watch()
+
+        def warm_up() -> None:
+            for request in requests:
+                service.release_threadsafe(service.evict_threadsafe(request).wait(30).host_pages)
+
+        await asyncio.wrap_future(on_plain_thread(warm_up))
 
         def submit_all() -> None:
-            for request in requests:  # warm up
-                service.release_threadsafe(service.evict_threadsafe(request).wait(30).host_pages)
             sys.setprofile(watch)
             try:
                 backups = [service.evict_threadsafe(request).wait(30) for request in requests]
@@ -102,6 +107,12 @@ async def test_small_requests_from_a_thread_keep_the_gil(tmp_path):
             finally:
                 sys.setprofile(None)
 
-        await asyncio.wrap_future(on_plain_thread(submit_all))
+        assert threading.current_thread() is threading.main_thread()  # the loop's thread
+        sys.setprofile(loop_watch)
+        try:
+            await asyncio.wrap_future(on_plain_thread(submit_all))
+            await asyncio.wrap_future(service.call_threadsafe(service.statistics))
+        finally:
+            sys.setprofile(None)
         assert watch.seen == []
-        assert threading.current_thread() is threading.main_thread()
+        assert loop_watch.seen == []
