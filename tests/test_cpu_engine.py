@@ -206,13 +206,14 @@ def test_measuring_the_fused_copy_path_changes_no_device_or_host_byte(layout):
     assert separate.device_fused is None and measure_fused_for_short_runs(separate) is False
 
 
-@pytest.mark.parametrize("threads", [2, 3, 4])
+@pytest.mark.parametrize("threads", [1, 2, 3, 4])
 @pytest.mark.parametrize("fail_at", [None, 0, 1, 7, 30])
 async def test_a_load_of_scattered_pages_is_ready_up_to_the_layer_that_failed(
         monkeypatch, threads, fail_at):
     """A load scattered on both sides is copied by the crew a layer per thread without
-    lockstep: its layers still become ready in order, the bytes land, and a copy that fails at
-    a layer leaves exactly the layers before it ready, as a layer-by-layer loop would."""
+    lockstep (one thread: layer by layer, without a crew): its layers still become ready in
+    order, the bytes land, and a copy that fails at a layer leaves exactly the layers before it
+    ready, as a layer-by-layer loop would."""
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     done = []
     engine, device = _engine(HostLayout.LAYER_FIRST, False, 61, True, done)
