@@ -424,18 +424,22 @@ def test_an_error_from_reached_stops_every_thread(crew3):
     assert len(done) == ran < 300
 
 
-@pytest.mark.parametrize("host_packed", [True, False], ids=["packed", "strided"])
+@pytest.mark.parametrize("strided", [None, "host", "device"])
 @pytest.mark.parametrize("direction", list(Direction), ids=lambda d: d.value)
-def test_a_layers_run_copy_moves_each_run_and_nothing_else(host_packed, direction):
+def test_a_layers_run_copy_moves_each_run_and_nothing_else(strided, direction):
     """Runs of one layer by ``memmove`` (rows back to back on both sides) or by numpy views
-    (host rows strided, as in a page-first arena): each run's rows land, all other rows keep
-    their bytes, on both sides."""
+    (host rows strided, as in a page-first arena, or device rows that are the front of wider
+    rows): each run's rows land, all other rows keep their bytes, on both sides."""
     gen = torch.Generator().manual_seed(7)
     width = 66  # int64 words per row
-    # strided: every other row of a [60, width] block, as one layer of a page-first arena
-    host = torch.randint(-2**40, 2**40, (30 if host_packed else 60, width), generator=gen)
-    host = host if host_packed else host[::2]
-    dev = torch.randint(-2**40, 2**40, (40, width), generator=gen)
+    # strided host: every other row of a [60, width] block, as one layer of a page-first arena
+    host = torch.randint(-2**40, 2**40, (60, width), generator=gen)
+    host = host[::2] if strided == "host" else host[:30]
+    dev_rows = torch.randint(-2**40, 2**40, (40, width + 6), generator=gen)
+    dev = dev_rows[:, :width] if strided == "device" else dev_rows[:, :width].contiguous()
+    beyond = dev_rows[:, width:].clone()  # bytes past a strided device row: never written
+    assert layer_calls._packed(host) == (strided != "host")
+    assert layer_calls._packed(dev) == (strided != "device")
     runs = np.array([[0, 30, 4], [10, 3, 7], [25, 17, 5]], dtype=np.int64)
     blocks = layer_calls.RunBlocks(runs, width * 8)
     to_host = direction is Direction.D2H
@@ -447,3 +451,4 @@ def test_a_layers_run_copy_moves_each_run_and_nothing_else(host_packed, directio
             expected_dev[d:d + k] = host[h:h + k]
     layer_calls.run_copy(host, dev, runs, blocks, to_host)()
     assert torch.equal(host, expected_host) and torch.equal(dev, expected_dev)
+    assert torch.equal(dev_rows[:, width:], beyond)
