@@ -61,8 +61,8 @@ class _Pairs:
     """Interleaved pairs of rounds (the first pair dropped): per request (us) on the quiet
     loop and the other way, and their per-pair ratios."""
 
-    loop_us: list[float]
-    other_us: list[float]
+    loop_us: tuple[float, ...]
+    other_us: tuple[float, ...]
 
     @property
     def ratio(self) -> float:
@@ -72,15 +72,15 @@ class _Pairs:
 def _paired_rounds(ctx: BenchContext, service: OffloadService, requests: list[torch.Tensor],
                    other_round: Callable[[], float]) -> _Pairs:
     """The overhead workload on the quiet loop, then ``other_round()``, in pairs."""
-    pairs = _Pairs([], [])
+    loop_us, other_us = [], []
     for round_ in range(max(ctx.pairs, 5) + 1):
         ctx.check_stop()
         on_loop = ctx.run_on_loop(overhead_round_us(service, requests))
         other = other_round()
         if round_:  # the first pair warms allocators and caches
-            pairs.loop_us.append(on_loop)
-            pairs.other_us.append(other)
-    return pairs
+            loop_us.append(on_loop)
+            other_us.append(other)
+    return _Pairs(tuple(loop_us), tuple(other_us))
 
 
 @contextlib.contextmanager

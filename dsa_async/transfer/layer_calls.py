@@ -42,13 +42,13 @@ def _packed(rows: torch.Tensor) -> bool:
     return rows.stride(1) == 1 and (rows.shape[0] <= 1 or rows.stride(0) == rows.shape[1])
 
 
-def run_copy(host: torch.Tensor, dev: torch.Tensor, runs: np.ndarray, blocks: RunBlocks | None,
+def run_copy(host: torch.Tensor, dev: torch.Tensor, runs: np.ndarray, blocks: RunBlocks,
              to_host: bool) -> Callable[[], None]:
     """One layer's copy of ``runs`` (``[r, 3]``): a ``memmove`` per run when both sides' rows
-    are packed and ``blocks`` holds the runs in bytes for this row size, else a numpy block
-    copy per run (``dst[a:b] = src[c:d]``)."""
-    if (blocks is not None and _packed(host) and _packed(dev)
-            and blocks.row_bytes == host.shape[1] * host.element_size()):
+    are packed (``blocks``: the runs in bytes for this row size), else a numpy block copy per
+    run (``dst[a:b] = src[c:d]``)."""
+    if _packed(host) and _packed(dev):
+        assert blocks.row_bytes == host.shape[1] * host.element_size()
         # A bad offset here would write outside the tensors: the plan's pages were validated
         # against the pool and the device buffers, and this checks it once more.
         assert blocks.host_rows <= host.shape[0] and blocks.device_rows <= dev.shape[0]
