@@ -139,7 +139,9 @@ async def test_layers_become_ready_in_order_seen_by_callbacks(fused):
     engine, _ = _engine(HostLayout.LAYER_FIRST, fused, 61, False, done)
     try:
         async with asyncio.timeout(60):
-            handle = engine.submit(CopyBatch(Direction.H2D, np.arange(0, 30), np.arange(5, 35)))
+            producer = threading.Event()  # the copy starts once every callback is registered
+            handle = engine.submit(CopyBatch(Direction.H2D, np.arange(0, 30), np.arange(5, 35),
+                                             after=(producer,)))
             order: list[int] = []
             loop = asyncio.get_running_loop()
             ended = loop.create_future()
@@ -150,6 +152,7 @@ async def test_layers_become_ready_in_order_seen_by_callbacks(fused):
                         ended.set_result(None)
                 if not handle.on_layer_ready(layer, seen):
                     seen()
+            producer.set()
             await ended
             assert order == sorted(order)
             await asyncio.to_thread(handle.done.wait)
@@ -230,13 +233,14 @@ async def test_a_load_of_scattered_pages_is_ready_up_to_the_layer_that_failed(
         async with asyncio.timeout(60):
             assert engine._crews[Direction.H2D].size == threads
             engine.fault_hook = hook
-            handle = engine.submit(CopyBatch(Direction.H2D, host, dev))
+            producer = threading.Event()  # the copy starts once every callback is registered
+            handle = engine.submit(CopyBatch(Direction.H2D, host, dev, after=(producer,)))
             seen: list[tuple[int, int]] = []  # (layer, layers ready when its callback ran)
-            for layer in reversed(range(61)):  # a layer ready already is seen at once
+            for layer in range(61):
                 def record(layer=layer):
                     seen.append((layer, handle.layers_ready))
-                if not handle.on_layer_ready(layer, record):
-                    record()
+                assert handle.on_layer_ready(layer, record)
+            producer.set()
             await asyncio.to_thread(handle.done.wait)
             while len(seen) < 61:  # the callbacks the worker posted to the loop
                 await asyncio.sleep(0)
