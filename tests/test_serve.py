@@ -214,6 +214,17 @@ def test_bad_arguments_exit_2(args, capsys):
     assert "error:" in capsys.readouterr().err
 
 
+def test_a_host_pool_past_the_budget_exits_3_as_plan_does(capsys):
+    """The pool asked for cannot fit: the same exit code and refusal as ``plan``'s "does not
+    fit", not the runtime-failure code, and nothing runs."""
+    assert main(["serve", "--backend", "cpu", "--duration-s", "5", "--quiet",
+                 "--layers", "2", "--host-pool-gb", "1e9"]) == 3
+    out, err = capsys.readouterr()
+    for fragment in ("requested:", "largest that fits", "to fix:", "--host-pool-gb"):
+        assert fragment in err
+    assert "verdict" not in out
+
+
 @pytest.mark.parametrize("case", ["summary-is-a-directory", "buffers-larger-than-memory",
                                   "buffers-beyond-any-memory"])
 def test_arguments_that_cannot_work_exit_2_before_any_work(case, tmp_path, capsys):

@@ -4,7 +4,8 @@ A subcommand module exposes ``register(subparsers)``, which adds its parser and 
 ``func`` (parsed args -> exit code). To add one, import it and append it to ``_COMMANDS``.
 
 Exit codes (``exit_codes.py``): 0 success, 1 a runtime failure, 2 bad arguments or
-configuration, 3 the host pool does not fit (``plan``), 130 interrupted before there was
+configuration, 3 the host pool does not fit the host memory budget (``plan``'s verdict,
+or ``serve`` refused at start), 130 interrupted before there was
 anything to report.
 """
 
@@ -14,9 +15,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from ..errors import ConfigError, DsaAsyncError
+from ..errors import ConfigError, DsaAsyncError, HostBudgetExceeded
 from . import bench, plan, serve
-from .exit_codes import EXIT_FAILED, EXIT_USAGE
+from .exit_codes import EXIT_DOES_NOT_FIT, EXIT_FAILED, EXIT_USAGE
 
 PROG = "dsa-async"
 
@@ -47,6 +48,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except HostBudgetExceeded as exc:
+        print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_DOES_NOT_FIT
     except DsaAsyncError as exc:
         print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_FAILED

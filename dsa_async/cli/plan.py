@@ -21,10 +21,10 @@ from ..host_memory.plan import (
     human_bytes,
     plan_pools,
 )
+from .exit_codes import EXIT_DOES_NOT_FIT
 from .numbers import host_pool_bytes, positive_int, reserve_bytes
 
 EXIT_FITS = 0
-EXIT_DOES_NOT_FIT = 3
 
 
 def register(subparsers: Any) -> None:

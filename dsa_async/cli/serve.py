@@ -5,8 +5,9 @@ or are replayed from a JSON-lines trace (``--workload trace:PATH``); their pages
 the device cache and the host pool through the service, and every prefetched page is checked
 against the checksum recorded when it was written. SIGINT/SIGTERM or ``--duration-s`` drain the
 service and print a summary. Exit 0 when every forward step ran, no page mismatched and
-nothing leaked, 1 otherwise (the verdict names why), 2 on bad arguments, 130 when interrupted
-before the service started.
+nothing leaked, 1 otherwise (the verdict names why), 2 on bad arguments, 3 when the host pool
+does not fit the host memory budget (the refusal names the largest that fits), 130 when
+interrupted before the service started.
 """
 
 from __future__ import annotations
