@@ -264,6 +264,42 @@ async def test_the_queue_bound_does_not_count_releases_handed_over(tmp_path):
         assert service.statistics().free_pages == 16
 
 
+async def test_empty_requests_pass_a_full_queue_and_do_not_count_against_it(tmp_path):
+    """An empty request ends at once, done, without queueing: a full queue does not refuse it,
+    from the loop or from a thread, and empty ones handed over do not take the room of
+    requests that do queue."""
+    service, _ = make_service(tmp_path, layers=LAYERS, host_pages=16, device_pages=8,
+                              max_queued_requests=4)
+    gate = asyncio.Event()
+    empty = torch.empty(0, dtype=torch.int64)
+    async with service, asyncio.timeout(BOUND_S):
+        queued = [service.evict(tokens([i]), after=gate) for i in range(3)]
+
+        def empties_then_the_last_room():
+            empties = [service.evict_threadsafe(empty) for _ in range(4)]
+            empties += [service.prefetch_threadsafe(None, empty, host_tokens=empty)
+                        for _ in range(4)]
+            last = service.evict_threadsafe(tokens([3]))  # the empties took no room
+            with pytest.raises(QueueFullError):
+                service.evict_threadsafe(tokens([4]))
+            empties.append(service.evict_threadsafe(empty))  # the queue is full now
+            return last, empties
+
+        last, empties = while_the_loop_is_blocked(empties_then_the_last_room)
+        assert service.statistics().queued_requests == 4  # nothing taken yet
+        for transfer in empties:
+            assert (await transfer).pages == 0
+        with pytest.raises(QueueFullError):
+            service.evict(tokens([5]))
+        assert (await service.evict(empty)).pages == 0  # on the loop, with the queue full
+        assert (await service.prefetch(None, empty, host_tokens=empty)).pages == 0
+        assert service.statistics().queued_requests == 4
+        gate.set()
+        for transfer in [*queued, last]:
+            service.release((await transfer).host_pages)
+        assert service.statistics().free_pages == 16
+
+
 async def test_the_queue_count_threads_read_never_drops_while_the_loop_reorders(
         tmp_path, monkeypatch):
     """What a thread counts against the queue bound is the queue's real length at every moment

@@ -605,7 +605,10 @@ class OffloadService:
         :meth:`_accept` watches."""
         if type(priority) is not int:
             priority = int_argument("priority", priority)
-        if on_loop:  # the queue bound: counted with what threads posted (thread_submit.py)
+        num_pages = len(device_pages) if on_device is None else on_device.num_pages
+        if num_pages == 0:  # ends at once, done: never queues, so the bound does not apply
+            pass
+        elif on_loop:  # the queue bound: counted with what threads posted (thread_submit.py)
             self._inbox.admit_on_loop()
         else:  # refused early here; checked again as it is posted
             self._inbox.check_room()
@@ -621,7 +624,6 @@ class OffloadService:
         if captured is _NOT_CAPTURED:
             captured = engine.capture_producer()
         engine_producers = producers.engine if captured is None else (captured, *producers.engine)
-        num_pages = len(device_pages) if on_device is None else on_device.num_pages
         if on_device is not None:  # the last step that can raise: nothing to undo after it
             indices = DeviceIndices(
                 on_device.form, num_pages, self._page_size_tokens, self.device_pages,

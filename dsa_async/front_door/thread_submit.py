@@ -49,7 +49,7 @@ class HostCheck(enum.Enum):
 class PostedRequest:
     """A request prepared on a thread, waiting to be accepted on the loop."""
 
-    __slots__ = ("request", "loop_producers", "host_check", "handle")
+    __slots__ = ("request", "loop_producers", "host_check", "handle", "counted")
 
     def __init__(self, request: Request, loop_producers: tuple[object, ...],
                  host_check: HostCheck, handle: HostPages | None = None) -> None:
@@ -57,6 +57,8 @@ class PostedRequest:
         self.loop_producers = loop_producers  #: asyncio futures / events, watched on the loop
         self.host_check = host_check
         self.handle = handle  #: the prefetch's handle, for ``HostCheck.HANDLE``
+        #: counts against the queue bound: an empty request never queues (it ends as taken)
+        self.counted = request.num_pages != 0
 
 
 class ThreadInbox:
@@ -115,13 +117,16 @@ class ThreadInbox:
             raise queue_full(waiting, bound)
 
     def post(self, posted: PostedRequest) -> None:
-        """Hand ``posted`` to the loop unless the queue bound is reached (``QueueFullError``).
-        Never blocks (a short lock); raises ``ServiceClosedError`` once the inbox is closed.
-        Either way a refusal hands nothing over."""
+        """Hand ``posted`` to the loop unless the queue bound is reached (``QueueFullError``;
+        an empty request, which never queues, is not bound). Never blocks (a short lock);
+        raises ``ServiceClosedError`` once the inbox is closed. Either way a refusal hands
+        nothing over."""
         with self._lock:
-            self.check_room()
+            if posted.counted:
+                self.check_room()
             self._append(posted)
-            self._posted_requests += 1
+            if posted.counted:
+                self._posted_requests += 1
 
     def admit_on_loop(self) -> None:
         """The loop's bound check for a submission of its own: raises ``QueueFullError``, or
@@ -211,7 +216,8 @@ class ThreadInbox:
                     try:
                         self._accept(item)
                     finally:  # after accepting it: see requests_waiting
-                        self._taken_requests += 1
+                        if item.counted:
+                            self._taken_requests += 1
                 else:
                     try:
                         self._take_release(item)
