@@ -230,6 +230,30 @@ def test_v2_memory_high_below_memory_max_is_the_limit(tmp_path):
     assert (level.limit_bytes, level.limit_file) == (4 * GIB, "memory.high")
 
 
+@pytest.mark.parametrize("max_file", ["missing", "max"])
+def test_v2_memory_high_binds_without_a_memory_max(tmp_path, max_file):
+    """memory.high alone (memory.max missing, or ``max``) is the level's limit; only a level
+    with neither file, or without memory.current, is skipped."""
+    root = make_root(tmp_path, mem_total_bytes=64 * GIB, mem_available_bytes=48 * GIB)
+    write_cgroup_v2(root, "/svc", {"/svc": Level(limit_bytes=16 * GIB, usage_bytes=2 * GIB)})
+    level_dir = root / "sys/fs/cgroup/svc"
+    if max_file == "missing":
+        (level_dir / "memory.max").unlink()
+    else:
+        (level_dir / "memory.max").write_text("max\n")
+    (level_dir / "memory.high").write_text(f"{4 * GIB}\n")
+    assert probe(root, reserve_bytes=0).available_bytes == 2 * GIB
+    (level,) = read_cgroup_levels(root)
+    assert (level.limit_bytes, level.limit_file, level.headroom_bytes) == (
+        4 * GIB, "memory.high", 2 * GIB)
+    (level_dir / "memory.high").write_text("max\n")
+    (level,) = read_cgroup_levels(root)
+    assert (level.limit_bytes, level.headroom_bytes) == (None, None)
+    assert probe(root, reserve_bytes=0).available_bytes == 48 * GIB
+    (level_dir / "memory.high").unlink()
+    assert len(read_cgroup_levels(root)) == (0 if max_file == "missing" else 1)
+
+
 def _v1_memory_8_of_6_gib_memsw_10_of_9_5_gib(tmp_path):
     """A v1 cgroup using 6 of 8 GiB of memory and 9.5 of 10 GiB of memory + swap: its root and
     the level's directory."""

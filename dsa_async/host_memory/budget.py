@@ -22,9 +22,10 @@ file reads (well under a millisecond); it takes no locks.
 
 Files that cannot be used, the same way for every file: a file that does not exist (or under a
 path component that is not a directory) means what its absence means: no ``/proc/meminfo`` is a
-``ConfigError``, no mountinfo means the standard mountpoints, no ``/proc/self/cgroup`` or no limit
-or usage file means no cgroup limit known there, no ``memory.stat`` means no inactive file cache,
-no ``memory.high`` or ``memory.memsw.*`` means none. A file that exists but cannot be read
+``ConfigError``, no mountinfo means the standard mountpoints, no ``/proc/self/cgroup``, no usage
+file or no file that could hold a limit means no cgroup limit known there (v2 reads
+``memory.high`` also where ``memory.max`` is missing), no ``memory.stat`` means no inactive file
+cache, no ``memory.high`` or ``memory.memsw.*`` means none. A file that exists but cannot be read
 (permissions, a symlink loop, a directory, an I/O error), or a figure the probe needs that is not
 a plain ASCII number (or the file's word for no limit: ``max``), is a ``ConfigError`` naming the
 file and what it holds: it may hold a limit, and the probe refuses to guess a budget.
@@ -317,15 +318,17 @@ _FILES = {
 
 
 def _read_level(directory: Path, path: str, version: CgroupVersion) -> CgroupLevel | None:
-    """One level's figures; ``None`` when its limit or usage file is missing."""
+    """One level's figures; ``None`` when its usage file is missing, or every file that could
+    hold its limit (v2: ``memory.max`` and ``memory.high``)."""
     limit_name, usage_name, inactive_keys = _FILES[version]
     limit_text = _read_text(directory / limit_name)
     usage_text = _read_text(directory / usage_name)
-    if limit_text is None or usage_text is None:
-        return None
     v2 = version is CgroupVersion.V2
-    limit_bytes = _figure(str(directory / limit_name), limit_text,
-                          unlimited_word="max" if v2 else None)
+    high_text = _read_text(directory / "memory.high") if v2 else None
+    if usage_text is None or (limit_text is None and high_text is None):
+        return None
+    limit_bytes = None if limit_text is None else _figure(
+        str(directory / limit_name), limit_text, unlimited_word="max" if v2 else None)
     if not v2 and limit_bytes is not None and limit_bytes >= V1_UNLIMITED_FLOOR_BYTES:
         limit_bytes = None
     usage_bytes = _figure(str(directory / usage_name), usage_text)
@@ -337,8 +340,8 @@ def _read_level(directory: Path, path: str, version: CgroupVersion) -> CgroupLev
     memsw_limit_bytes = memsw_usage_bytes = None
     if v2:
         # Above memory.high the kernel throttles and reclaims hard: a page-locked or
-        # zero-filled arena cannot be reclaimed, so the high mark is a limit too.
-        high_text = _read_text(directory / "memory.high")
+        # zero-filled arena cannot be reclaimed, so the high mark is a limit too (also where
+        # memory.max is missing).
         high_bytes = (None if high_text is None else
                       _figure(str(directory / "memory.high"), high_text, unlimited_word="max"))
         if high_bytes is not None and (limit_bytes is None or high_bytes < limit_bytes):
