@@ -6,12 +6,15 @@ next drain, after the callbacks already waiting (timers, close())."""
 from __future__ import annotations
 
 import asyncio
+import types
 
 from dsa_async.front_door.thread_submit import PostedRequest, ThreadInbox
 from dsa_async.transfer.handoff import LoopHandoff
 
 BOUND_S = 10
 POSTS = 5
+#: what the inbox reads of a posted request here: it has pages, so it counts as queued
+_STAND_IN = types.SimpleNamespace(num_pages=1)
 
 
 async def _until(condition) -> None:
@@ -27,10 +30,10 @@ async def test_the_inbox_takes_what_is_posted_during_a_drain_at_the_next_one():
     def accept(_posted: PostedRequest) -> None:
         seen.append("posted")
         if seen.count("posted") < POSTS:  # as a thread posting while the loop drains
-            inbox.post(PostedRequest(None, (), None))
+            inbox.post(PostedRequest(_STAND_IN, (), None))
 
     inbox = ThreadInbox(loop, accept, lambda _handle: None)
-    inbox.post(PostedRequest(None, (), None))
+    inbox.post(PostedRequest(_STAND_IN, (), None))
     loop.call_soon(seen.append, "other callback")
     await _until(lambda: seen.count("posted") == POSTS)
     assert seen == ["posted", "other callback"] + ["posted"] * (POSTS - 1)
