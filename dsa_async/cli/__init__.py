@@ -45,12 +45,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     try:
         return int(args.func(args))
-    except ConfigError as exc:
-        print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except HostBudgetExceeded as exc:
-        print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
-        return EXIT_DOES_NOT_FIT
     except DsaAsyncError as exc:
         print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
-        return EXIT_FAILED
+        if isinstance(exc, ConfigError):
+            return EXIT_USAGE
+        return EXIT_DOES_NOT_FIT if isinstance(exc, HostBudgetExceeded) else EXIT_FAILED
