@@ -99,8 +99,37 @@ class ExtentAllocator:
         if i == len(sizes):
             return None
         length = sizes[i]
-        start = self._lowest_start(length)
-        self._take(start, length, num_pages)
+        heap = self._heaps[length]
+        by_start = self._by_start
+        start = heap[0]
+        while by_start.get(start) != length:  # stale: merged or taken since
+            heappop(heap)
+            start = heap[0]
+        live = self._live
+        count = live[length] - 1
+        rest_length = length - num_pages
+        if not count and rest_length:  # alone at its length: may keep its place (_reindex)
+            self._take(start, length, num_pages)
+            return start
+        # What _take does, inlined (the one call per allocation in a fragmented pool): the
+        # extent leaves its heap (it is the top) and what is left of it joins another.
+        del by_start[start]
+        if count:
+            live[length] = count
+            heappop(heap)
+        else:
+            del live[length], self._heaps[length], sizes[i]
+        end = start + length
+        if rest_length:
+            rest = start + num_pages
+            by_start[rest] = rest_length
+            self._by_end[end] = rest
+            self._index(rest, rest_length)
+        else:
+            del self._by_end[end]
+        self._free_map[start:start + num_pages] = (_ZEROS[num_pages] if num_pages < _SHORT_RUN
+                                                   else self._zeros[:num_pages])
+        self.free_pages -= num_pages
         return start
 
     def first_free(self, pages: range | list[int]) -> int | None:
