@@ -144,12 +144,16 @@ class HostPool:
             runs: tuple[tuple[int, int], ...] = ((start, num_pages),)
         else:
             self.end_batch()
-            start = self._extents.allocate_run(num_pages + ahead_pages) if ahead_pages else None
+            extents = self._extents
+            start = extents.allocate_run(num_pages + ahead_pages) if ahead_pages else None
             if start is not None:
                 self._batch_run = [start + num_pages, ahead_pages]
-                runs = ((start, num_pages),)
             else:
-                found = self._extents.allocate(num_pages)
+                start = extents.allocate_run(num_pages)  # best fit, when one extent holds it
+            if start is not None:
+                runs = ((start, num_pages),)
+            else:  # no extent holds it: several runs (or None: too few pages are free)
+                found = extents.allocate(num_pages)
                 if found is None:
                     return None
                 runs = tuple(found)
