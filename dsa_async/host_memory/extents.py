@@ -21,7 +21,8 @@ Free space is indexed so that no operation scans the free extents:
 
 A best-fit allocation or a free is O(log holes): dictionary look-ups, heap operations, a bisect
 over the lengths and at most one insert into or delete from that short list. Nothing is per
-page except the free map's slice update, one ``memcpy`` of the run's length. Not thread-safe: one owner (the event loop); nothing blocks.
+page except the free map's slice update, one ``memcpy`` of the run's length. Not thread-safe:
+one owner (the event loop); nothing blocks.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ is the CUDA backend's job (it registers exactly these bytes). Arena shapes::
     HostLayout.PAGE_FIRST:  [capacity_pages, num_layers, bytes_per_page_per_layer]
 
 Page states here: free or held (the extent allocator's free extents; ``_live`` maps each live
-allocation id to its runs). Which held pages a copy uses right now is the scheduler's hazard
+allocation id to its handle). Which held pages a copy uses right now is the scheduler's hazard
 table: one table of page states orders copies and refuses releases. Not thread-safe: owned by
 the event loop; every method is non-blocking except :meth:`HostPool.create`, which allocates
 and zero-fills the arenas.
@@ -92,7 +92,11 @@ class HostPool:
         self.arenas: dict[str, torch.Tensor] = {}
         self.startup_s = 0.0
         self._extents = ExtentAllocator(capacity_pages)
-        self._live: dict[int, tuple[tuple[int, int], ...]] = {}  # allocation id -> its runs
+        #: allocation id -> its handle. The values are handles, not their runs: a dict of
+        #: only ints and tuples of ints is untracked by a full garbage collection and tracked
+        #: again as young by the next insert, and the next young collection then walks all of
+        #: it (a few ms on the loop per full collection with tens of thousands held).
+        self._live: dict[int, HostPages] = {}
         #: allocations plus releases so far: changes whenever pages change hands
         self.changes = 0
         self._batch_run: list[int] | None = None  # [start, pages]: taken, not yet handed out
@@ -158,9 +162,9 @@ class HostPool:
                     return None
                 runs = tuple(found)
         allocation_id = next(_ALLOCATION_IDS)
-        self._live[allocation_id] = runs
+        handle = self._live[allocation_id] = HostPages(runs, allocation_id, self.page_size_tokens)
         self.changes += 1
-        return HostPages(runs, allocation_id, self.page_size_tokens)
+        return handle
 
     def end_batch(self) -> None:
         """Return the unused rest of the run taken by ``allocate(..., ahead_pages=...)``."""
@@ -170,7 +174,8 @@ class HostPool:
 
     def holds(self, handle: HostPages) -> bool:
         """Whether ``handle`` is a live allocation of this pool. Any thread (a dict lookup)."""
-        return self._live.get(handle.allocation_id) == handle.runs
+        live = self._live.get(handle.allocation_id)
+        return live is handle or (live is not None and live.runs == handle.runs)
 
     def check_owned(self, handle: HostPages) -> None:
         """Raise ``UnknownHostPagesError`` unless ``handle`` is a live allocation of this pool."""
