@@ -1,7 +1,9 @@
 """Every way a caller consumes a whole prefetch counts each of its layers once, as on time or
 late, never as wasted: ``await``, ``Transfer.wait()`` from a thread (before or after the end).
 A prefetch whose layers nobody used counts them as wasted, also when its outcome was read
-(``done()``, ``result()``, ``exception()``: how a caller checks for failure)."""
+(``done()``, ``result()``, ``exception()``: how a caller checks for failure). Where the engine
+rules on lateness on the device (CUDA), a thread's own wait for the copy to start is not
+lateness, also when the layer is already copied once the copy started."""
 
 from __future__ import annotations
 
@@ -9,9 +11,13 @@ import asyncio
 import gc
 
 import pytest
-from service_fixtures import make_service, tokens
+from service_fixtures import make_buffers, make_service, tokens
 
+from dsa_async.config import PoolSize, ServiceConfig
+from dsa_async.front_door.service import OffloadService
+from dsa_async.geometry import dsa_indexer
 from dsa_async.kinds import Timeliness
+from dsa_async.transfer.cpu import CpuEngine
 
 BOUND_S = 10  # generous: only proves nothing hangs
 LAYERS = 3
@@ -78,4 +84,46 @@ async def test_a_prefetch_nobody_used_counts_its_layers_as_wasted(tmp_path, read
         after = _layer_counts(service)
         assert after["wasted"] - before["wasted"] == LAYERS
         assert after["on_time"] == before["on_time"] and after["late"] == before["late"]
+        service.release(held)
+
+
+class _DeviceDecides(CpuEngine):
+    """Copies as the CPU engine does, but rules on lateness as the CUDA engine does: only a
+    consumer that waited on the device counts as late (none here), never a thread's own wait
+    for the copy to start. Its copies are done by the time it hands a batch back, so a
+    consumer woken by the start finds its layer already copied."""
+
+    waits_on_device = True
+
+    def submit(self, batch):
+        handle = super().submit(batch)
+        handle.wait_ready(self.num_layers - 1, BOUND_S)
+        return handle
+
+    def wait_layer(self, handle, layer, timeout_s, classify):
+        handle.wait_ready(layer, timeout_s)
+        classify(False, 0.0)
+
+
+async def test_where_the_device_decides_a_wait_for_the_start_is_not_lateness(tmp_path):
+    geometry = dsa_indexer(num_layers=LAYERS)
+    config = ServiceConfig(geometries=(geometry,), host_pool=PoolSize(pages=8), backend="cpu",
+                           ledger_directory=str(tmp_path / "ledger"))
+    service = OffloadService(config, {geometry.name: make_buffers(geometry, 8)},
+                             engine_factory=_DeviceDecides)
+    async with service, asyncio.timeout(BOUND_S):
+        held = service.allocate_host_pages(2)
+        before = _layer_counts(service)
+        gate = asyncio.Event()
+        load = service.prefetch(held, tokens([0, 1]), after=gate)
+        consumer = asyncio.ensure_future(asyncio.to_thread(
+            lambda: [load.wait_layer(layer, BOUND_S) for layer in range(LAYERS)]))
+        while load._request._start_waiter is None:  # white box: it waits for the start now
+            await asyncio.sleep(0)
+        gate.set()
+        await consumer
+        after = _layer_counts(service)
+        assert after["on_time"] - before["on_time"] == LAYERS, (before, after)
+        assert after["late"] == before["late"]
+        await load
         service.release(held)

@@ -269,16 +269,16 @@ class Transfer:
             self.result()  # raises it (CancelledError if it was cancelled)
             raise ServiceClosedError("the prefetch ended before its copy started")
         start_wait_s = 0.0 if started else time.perf_counter() - waited_from
+        # CPU: this thread waited if it blocked at all, for the start or the copy. CUDA: only
+        # the consumer's stream waiting counts, and the device decides (not this thread).
+        host_wait_s = 0.0 if self._scheduler.waits_on_device else start_wait_s
         if layer < handle.layers_ready:  # already copied (on CUDA: its event completed)
-            self._classify(layer, start_wait_s)
+            self._classify(layer, host_wait_s)
             return
         if request.future.done():  # it ended without this layer (also after close())
             self.result()  # raises its error
         _refuse_on_a_loop_thread(layer)
         remaining_s = None if timeout_s is None else max(0.0, timeout_s - start_wait_s)
-        # CPU: this thread waited if it blocked at all, for the start or the copy. CUDA: only
-        # the consumer's stream waiting counts, and the device decides (not this thread).
-        host_wait_s = 0.0 if self._scheduler.waits_on_device else start_wait_s
 
         def classify(late: bool, waited_s: float) -> None:
             self._classify(layer, host_wait_s + waited_s if late else host_wait_s)
@@ -287,7 +287,7 @@ class Transfer:
             if not self._scheduler.engine_wait_layer(handle, layer, remaining_s, classify):
                 # close() ended every copy since the checks above: as if it had ended first
                 if layer < handle.layers_ready:
-                    self._classify(layer, start_wait_s)
+                    self._classify(layer, host_wait_s)
                     return
                 self.result()  # raises its error
                 raise ServiceClosedError(f"layer {layer}: the service closed before the "
