@@ -1,7 +1,8 @@
 """The engine's own streams, without a device: the CUDA driver and torch's stream wrappers are
 stand-ins, so what is checked is the ownership logic: three streams (one per direction and one
 for index copies) created for the engine alone, checked distinct from the process's streams,
-and every one of them destroyed on failure and at close."""
+destroyed when creating them failed (nothing used them), and kept at close for the next engine
+on the device, never destroyed (torch may record events on them after the close)."""
 
 from __future__ import annotations
 
@@ -47,7 +48,9 @@ class Driver:
 def driver(monkeypatch):
     def install(fail_at=None, current=0x1, default=0x0):
         fake = Driver(fail_at)
-        monkeypatch.setattr(cuda_driver, "stream_priority_range", lambda ordinal: (LEAST, GREATEST))
+        monkeypatch.setattr(copy_streams, "_SPARE", {})  # no other test's streams
+        monkeypatch.setattr(cuda_driver, "stream_priority_range",
+                            lambda ordinal: (LEAST, GREATEST))
         monkeypatch.setattr(cuda_driver, "create_stream", fake.create_stream)
         monkeypatch.setattr(cuda_driver, "destroy_stream", fake.destroy_stream)
         monkeypatch.setattr(copy_streams.torch.cuda, "ExternalStream", FakeStream)
@@ -59,7 +62,7 @@ def driver(monkeypatch):
     return install
 
 
-def test_three_distinct_streams_of_the_engine_and_all_destroyed_at_close(driver):
+def test_three_distinct_streams_of_the_engine_kept_at_close_for_the_next_engine(driver):
     fake = driver()
     streams = CopyStreams.create(torch.device("cuda", 0))
     handles = {*streams.handles.values(), int(streams.index.cuda_stream)}
@@ -68,8 +71,26 @@ def test_three_distinct_streams_of_the_engine_and_all_destroyed_at_close(driver)
     assert priorities[int(streams.index.cuda_stream)] == GREATEST  # a load waits for its indices
     assert priorities[streams.handles[Direction.H2D]] == GREATEST
     assert priorities[streams.handles[Direction.D2H]] == LEAST
-    streams.destroy()
-    assert sorted(fake.destroyed) == sorted(handles)
+    other = CopyStreams.create(torch.device("cuda", 0))  # two open engines: six streams
+    assert len(fake.created) == 6 and not handles & set(other._own_handles().values())
+    streams.retire()
+    assert fake.destroyed == []
+    again = CopyStreams.create(torch.device("cuda", 0))  # the closed engine's, same roles
+    assert len(fake.created) == 6 and again._own_handles() == streams._own_handles()
+    assert CopyStreams.create(torch.device("cuda", 1))._own_handles() != streams._own_handles()
+    assert len(fake.created) == 9  # spare streams stay on their device
+    other.retire()
+    again.retire()
+    assert fake.destroyed == []
+
+
+def test_spare_streams_that_clash_are_put_back_not_destroyed(driver):
+    fake = driver(current=0x77)
+    copy_streams._SPARE[0] = [(0x75, 0x76, 0x77)]  # a closed engine's streams
+    with pytest.raises(CopyStreamError, match="the index copy stream 0x77 is also"):
+        CopyStreams.create(torch.device("cuda", 0))
+    assert fake.destroyed == [] and fake.created == []
+    assert copy_streams._SPARE[0] == [(0x75, 0x76, 0x77)]
 
 
 def test_an_index_stream_that_is_the_callers_is_refused_and_every_stream_destroyed(driver):

@@ -1,4 +1,4 @@
-"""The engine's copy streams: created for it alone, checked distinct, destroyed at close.
+"""The engine's copy streams: created for it alone, checked distinct, kept at close.
 
 ``torch.cuda.Stream()`` takes a stream from PyTorch's fixed pool (32 per priority per device,
 handed out round-robin), so once a server has created enough streams a "new" copy stream can
@@ -8,10 +8,18 @@ instead (``cuStreamCreateWithPriority``, non-blocking, so no implicit ordering w
 default stream) and wrapped as ``torch.cuda.ExternalStream``: no other part of the process can
 receive them. Loads (H2D) get the highest priority the device offers, because the forward
 pass waits on them layer by layer; backups (D2H) the lowest.
+
+A closed engine's streams are not destroyed: they go to a per-device spare list and the next
+engine on that device takes them. torch may still record an event on them after the engine
+closed: a tensor given ``record_stream`` (a device index tensor the index stream read) or a
+pinned buffer a copy read records one on each such stream when it is freed, possibly long
+after, and recording on a destroyed stream is an error raised inside a destructor. So the
+streams alive per device are at most those of the engines ever open at the same time.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +30,12 @@ from . import cuda_driver
 
 class CopyStreamError(RuntimeError):
     """The copy streams could not be created, or are not distinct from other streams."""
+
+
+#: Closed engines' streams per device ordinal, for the next engine there: (h2d, d2h, index)
+#: handles, the directions' at their priorities (see the module docstring).
+_SPARE: dict[int, list[tuple[int, int, int]]] = {}
+_SPARE_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -37,28 +51,31 @@ class CopyStreams:
 
     @classmethod
     def create(cls, device: torch.device) -> CopyStreams:
-        """Create the three streams on the calling thread. Blocks briefly (driver calls)."""
+        """The three streams, a closed engine's on this device if one is spare, else new
+        ones. On the calling thread; blocks briefly (driver calls)."""
         ordinal = device.index if device.index is not None else torch.cuda.current_device()
         least, greatest = cuda_driver.stream_priority_range(ordinal)
         priorities = {Direction.H2D: greatest, Direction.D2H: least}
-        handles: dict[Direction, int] = {}
-        index_handle = None
-        try:
-            for direction, priority in priorities.items():
-                handles[direction] = cuda_driver.create_stream(ordinal, priority)
-            index_handle = cuda_driver.create_stream(ordinal, greatest)
-        except cuda_driver.CudaDriverError as exc:
-            for handle in handles.values():
-                cuda_driver.destroy_stream(ordinal, handle)
-            raise CopyStreamError(f"could not create the copy streams on {device}: {exc}") from exc
-        streams = {d: torch.cuda.ExternalStream(h, device=device) for d, h in handles.items()}
-        made = cls(torch.device("cuda", ordinal), streams, priorities,
-                   torch.cuda.ExternalStream(index_handle, device=device))
+        with _SPARE_LOCK:
+            spare = _SPARE.get(ordinal)
+            triple = spare.pop() if spare else None
+        fresh = triple is None
+        if fresh:
+            triple = _create_three(ordinal, priorities, greatest, device)
+        h2d, d2h, index = triple
+        made = cls(torch.device("cuda", ordinal),
+                   {Direction.H2D: torch.cuda.ExternalStream(h2d, device=device),
+                    Direction.D2H: torch.cuda.ExternalStream(d2h, device=device)},
+                   priorities, torch.cuda.ExternalStream(index, device=device))
         try:
             made.check_distinct([torch.cuda.current_stream(device),
                                  torch.cuda.default_stream(device)])
         except CopyStreamError:
-            made.destroy()
+            if fresh:  # nothing ever used them: nothing can record on them later
+                for handle in triple:
+                    cuda_driver.destroy_stream(ordinal, handle)
+            else:
+                made.retire()
             raise
         return made
 
@@ -87,8 +104,26 @@ class CopyStreams:
                 raise CopyStreamError(f"the {clash[0]} copy stream {handle:#x} is also {other}; "
                                       f"copies would be ordered with that stream's work")
 
-    def destroy(self) -> None:
-        """Destroy the streams. Call only once nothing is queued on them (after synchronize)."""
-        ordinal = self.device.index
-        for handle in self._own_handles().values():
+    def retire(self) -> None:
+        """Keep the streams for the next engine on this device (see the module docstring).
+        Call only once nothing is queued on them (after synchronize), once."""
+        triple = (int(self.streams[Direction.H2D].cuda_stream),
+                  int(self.streams[Direction.D2H].cuda_stream), int(self.index.cuda_stream))
+        with _SPARE_LOCK:
+            _SPARE.setdefault(self.device.index, []).append(triple)
+
+
+def _create_three(ordinal: int, priorities: dict[Direction, int], index_priority: int,
+                  device: torch.device) -> tuple[int, int, int]:
+    """New (h2d, d2h, index) streams; on a failure the ones already made are destroyed
+    (nothing used them) and ``CopyStreamError`` raised."""
+    made: list[int] = []
+    try:
+        for priority in (priorities[Direction.H2D], priorities[Direction.D2H], index_priority):
+            made.append(cuda_driver.create_stream(ordinal, priority))
+    except cuda_driver.CudaDriverError as exc:
+        for handle in made:
             cuda_driver.destroy_stream(ordinal, handle)
+        raise CopyStreamError(f"could not create the copy streams on {device}: {exc}") from exc
+    h2d, d2h, index = made
+    return h2d, d2h, index

@@ -5,10 +5,11 @@ This is the only module (with its helpers ``cuda_copy``, ``cuda_driver``, ``copy
 device.
 
 Everything the engine needs on the device is made in its constructor (the service's
-``start()``), never while serving: the arenas are page-locked and mapped, two copy streams of
-its own are created (``copy_streams``; loads at the higher priority) and checked distinct, and
-each direction's staging and index buffers are allocated (``ServiceConfig.device_staging_bytes``
-per direction). An out-of-memory there is a ``ConfigError`` naming the setting.
+``start()``), never while serving: the arenas are page-locked and mapped, copy streams of its
+own are created or taken over from a closed engine (``copy_streams``: one per direction, loads
+at the higher priority, and one for index copies) and checked distinct, and each direction's
+staging and index buffers are allocated (``ServiceConfig.device_staging_bytes`` per
+direction). An out-of-memory there is a ``ConfigError`` naming the setting.
 
 Threads, per direction::
 
@@ -208,7 +209,7 @@ class CudaEngine(TransferEngine):
                 lane.stream.wait_event(allocated)
         except BaseException:
             if self._streams is not None:
-                self._streams.destroy()
+                self._streams.retire()
             self._pinning.unregister_all()
             raise
         for lane in self._lanes.values():
@@ -435,7 +436,7 @@ class CudaEngine(TransferEngine):
         if self._streams is not None:
             streams, self._streams = self._streams, None
             try:
-                streams.destroy()
+                streams.retire()
             except BaseException as exc:  # noqa: BLE001 - carry on with the arenas
                 errors.append(exc)
         try:

@@ -255,6 +255,57 @@ def test_copy_streams_are_distinct_from_every_stream_the_process_created(tmp_pat
     run(main)
 
 
+_FREED_AFTER_CLOSE = textwrap.dedent("""
+    import asyncio, gc, json, sys
+    import torch
+    from dsa_async import OffloadService, Pages, PoolSize, ServiceConfig
+    from dsa_async.geometry import dsa_indexer
+
+    async def main():
+        g = dsa_indexer(num_layers=4)
+        buffers = torch.zeros(4, 32, g.bytes_per_page_per_layer, dtype=torch.uint8, device="cuda")
+        config = ServiceConfig(geometries=(g,), host_pool=PoolSize(pages=64), backend="cuda",
+                               ledger_directory=sys.argv[1])
+        kept, streams = [], []
+        for _ in range(3):
+            service = OffloadService(config, buffers)
+            await service.start()
+            engine = service._engine
+            streams.append(sorted([int(s.cuda_stream) for s in engine.copy_streams.values()]
+                                  + [int(engine._index_stream.cuda_stream)]))
+            indices = torch.arange(0, 128, device="cuda")  # read on the engine's index stream
+            backup = service.evict(indices)
+            result = await backup
+            load = service.prefetch(result.host_pages, Pages(torch.tensor([5, 6], device="cuda")))
+            await load
+            service.release(result.host_pages)
+            await service.close()
+            kept += [indices, backup, load]  # their staged index copies go after the close
+            del indices, backup, load, result
+        del kept
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.synchronize()
+        print(json.dumps({"streams": streams}))
+
+    asyncio.run(main())
+""")
+
+
+def test_tensors_the_engines_streams_read_may_be_freed_after_close(tmp_path):
+    # torch records an event on every stream that read a tensor when that tensor (or a pinned
+    # buffer a copy read) is freed; freed after close(), that must find the streams alive.
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", _FREED_AFTER_CLOSE, str(tmp_path / "ledger")],
+                          capture_output=True, text=True, timeout=180, env=env, cwd=REPO)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert done.returncode == 0 and lines, f"rc {done.returncode}:\n{done.stderr[-3000:]}"
+    streams = json.loads(lines[-1])["streams"]
+    assert len(set(streams[0])) == 3
+    assert streams[1] == streams[0] and streams[2] == streams[0], "streams were not reused"
+
+
 # --- a sticky device fault --------------------------------------------------------------------
 
 _STICKY = textwrap.dedent("""
