@@ -255,17 +255,34 @@ def test_copy_streams_are_distinct_from_every_stream_the_process_created(tmp_pat
     run(main)
 
 
-_FREED_AFTER_CLOSE = textwrap.dedent("""
+#: What each script run in a process of its own starts with: a 4-layer CUDA service's config
+#: and device buffers, its ledger in ``sys.argv[1]``.
+_PRELUDE = textwrap.dedent("""
     import asyncio, gc, json, sys
     import torch
     from dsa_async import OffloadService, Pages, PoolSize, ServiceConfig
     from dsa_async.geometry import dsa_indexer
+    from dsa_async.host_memory.ledger import HostLedger
 
+    g = dsa_indexer(num_layers=4)
+    buffers = torch.zeros(4, 32, g.bytes_per_page_per_layer, dtype=torch.uint8, device="cuda")
+    config = ServiceConfig(geometries=(g,), host_pool=PoolSize(pages=64), backend="cuda",
+                           ledger_directory=sys.argv[1])
+""")
+
+
+def _run_script(body: str, ledger: Path) -> tuple[subprocess.CompletedProcess, dict | None]:
+    """Run ``_PRELUDE`` + ``body`` in a fresh process; its exit and the last JSON line it
+    printed (``None`` if none)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", _PRELUDE + textwrap.dedent(body), str(ledger)],
+                          capture_output=True, text=True, timeout=180, env=env, cwd=REPO)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    return done, json.loads(lines[-1]) if lines else None
+
+
+_FREED_AFTER_CLOSE = """
     async def main():
-        g = dsa_indexer(num_layers=4)
-        buffers = torch.zeros(4, 32, g.bytes_per_page_per_layer, dtype=torch.uint8, device="cuda")
-        config = ServiceConfig(geometries=(g,), host_pool=PoolSize(pages=64), backend="cuda",
-                               ledger_directory=sys.argv[1])
         kept, streams = [], []
         for _ in range(3):
             service = OffloadService(config, buffers)
@@ -290,36 +307,23 @@ _FREED_AFTER_CLOSE = textwrap.dedent("""
         print(json.dumps({"streams": streams}))
 
     asyncio.run(main())
-""")
+"""
 
 
 def test_tensors_the_engines_streams_read_may_be_freed_after_close(tmp_path):
     # torch records an event on every stream that read a tensor when that tensor (or a pinned
     # buffer a copy read) is freed; freed after close(), that must find the streams alive.
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-c", _FREED_AFTER_CLOSE, str(tmp_path / "ledger")],
-                          capture_output=True, text=True, timeout=180, env=env, cwd=REPO)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    assert done.returncode == 0 and lines, f"rc {done.returncode}:\n{done.stderr[-3000:]}"
-    streams = json.loads(lines[-1])["streams"]
+    done, result = _run_script(_FREED_AFTER_CLOSE, tmp_path / "ledger")
+    assert done.returncode == 0 and result, f"rc {done.returncode}:\n{done.stderr[-3000:]}"
+    streams = result["streams"]
     assert len(set(streams[0])) == 3
     assert streams[1] == streams[0] and streams[2] == streams[0], "streams were not reused"
 
 
 # --- a sticky device fault --------------------------------------------------------------------
 
-_STICKY = textwrap.dedent("""
-    import asyncio, json, sys
-    import torch
-    from dsa_async import OffloadService, PoolSize, ServiceConfig
-    from dsa_async.geometry import dsa_indexer
-    from dsa_async.ledger import HostLedger
-
+_STICKY = """
     async def main():
-        g = dsa_indexer(num_layers=4)
-        buffers = torch.zeros(4, 32, g.bytes_per_page_per_layer, dtype=torch.uint8, device="cuda")
-        config = ServiceConfig(geometries=(g,), host_pool=PoolSize(pages=64), backend="cuda",
-                               ledger_directory=sys.argv[1])
         service = OffloadService(config, buffers)
         await service.start()
         first = await service.evict(torch.arange(0, 128))
@@ -340,17 +344,12 @@ _STICKY = textwrap.dedent("""
                           "close_error": close_error, "ledger_entries": entries}))
 
     asyncio.run(main())
-""")
+"""
 
 
 def test_sticky_fault_fails_the_transfer_and_close_returns_the_reservation(tmp_path):
-    ledger = tmp_path / "ledger"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-c", _STICKY, str(ledger)], capture_output=True,
-                          text=True, timeout=180, env=env, cwd=REPO)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    assert lines, f"no result (rc {done.returncode}):\n{done.stderr[-3000:]}"
-    result = json.loads(lines[-1])
+    done, result = _run_script(_STICKY, tmp_path / "ledger")
+    assert result, f"no result (rc {done.returncode}):\n{done.stderr[-3000:]}"
     assert result["first_pages"] == 2
     assert result["failed"] is not None, "a transfer after the fault reported success"
     assert result["ledger_entries"] == 0, f"the reservation outlived close(): {result}"
