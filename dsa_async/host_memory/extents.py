@@ -100,37 +100,8 @@ class ExtentAllocator:
         if i == len(sizes):
             return None
         length = sizes[i]
-        heap = self._heaps[length]
-        by_start = self._by_start
-        start = heap[0]
-        while by_start.get(start) != length:  # stale: merged or taken since
-            heappop(heap)
-            start = heap[0]
-        live = self._live
-        count = live[length] - 1
-        rest_length = length - num_pages
-        if not count and rest_length:  # alone at its length: may keep its place (_reindex)
-            self._take(start, length, num_pages)
-            return start
-        # What _take does, inlined (the one call per allocation in a fragmented pool): the
-        # extent leaves its heap (it is the top) and what is left of it joins another.
-        del by_start[start]
-        if count:
-            live[length] = count
-            heappop(heap)
-        else:
-            del live[length], self._heaps[length], sizes[i]
-        end = start + length
-        if rest_length:
-            rest = start + num_pages
-            by_start[rest] = rest_length
-            self._by_end[end] = rest
-            self._index(rest, rest_length)
-        else:
-            del self._by_end[end]
-        self._free_map[start:start + num_pages] = (_ZEROS[num_pages] if num_pages < _SHORT_RUN
-                                                   else self._zeros[:num_pages])
-        self.free_pages -= num_pages
+        start = self._lowest_start(length)
+        self._take(start, length, num_pages)
         return start
 
     def first_free(self, pages: range | list[int]) -> int | None:
@@ -242,17 +213,37 @@ class ExtentAllocator:
         self._index(new_start, new_length)
 
     def _take(self, start: int, length: int, num_pages: int) -> None:
-        """Take the first ``num_pages`` of the free extent of ``length`` pages at ``start``."""
+        """Take the first ``num_pages`` of the free extent of ``length`` pages at ``start``, the
+        lowest start of its length (its heap's top, from :meth:`_lowest_start`)."""
+        assert self._heaps[length][0] == start, "an extent taken from inside its heap"
         by_start = self._by_start
         del by_start[start]
-        if length > num_pages:  # the rest stays free
+        rest_length = length - num_pages
+        live = self._live
+        count = live[length] - 1
+        end = start + length
+        if rest_length and not count:  # alone at its length: it may keep its place (_reindex)
             rest = start + num_pages
-            by_start[rest] = length - num_pages
-            self._by_end[start + length] = rest
-            self._reindex(start, length, rest, length - num_pages)
+            by_start[rest] = rest_length
+            self._by_end[end] = rest
+            self._reindex(start, length, rest, rest_length)
         else:
-            del self._by_end[start + length]
-            self._unindex(start, length)
+            # It leaves the size index (what _unindex does, knowing it is its heap's top: the
+            # one call per allocation in a fragmented pool), and what is left of it joins.
+            if count:
+                live[length] = count
+                heappop(self._heaps[length])
+            else:
+                del live[length], self._heaps[length]
+                sizes = self._sizes
+                del sizes[bisect_left(sizes, length)]
+            if rest_length:
+                rest = start + num_pages
+                by_start[rest] = rest_length
+                self._by_end[end] = rest
+                self._index(rest, rest_length)
+            else:
+                del self._by_end[end]
         self._free_map[start:start + num_pages] = (_ZEROS[num_pages] if num_pages < _SHORT_RUN
                                                    else self._zeros[:num_pages])
         self.free_pages -= num_pages
