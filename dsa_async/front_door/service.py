@@ -606,11 +606,11 @@ class OffloadService:
         if type(priority) is not int:
             priority = int_argument("priority", priority)
         num_pages = len(device_pages) if on_device is None else on_device.num_pages
-        if num_pages == 0:  # ends at once, done: never queues, so the bound does not apply
-            pass
-        elif on_loop:  # the queue bound: counted with what threads posted (thread_submit.py)
+        # The queue bound, counted with what threads posted (thread_submit.py); an empty
+        # request ends at once, done: it never queues, so the bound does not apply to it.
+        if num_pages and on_loop:
             self._inbox.admit_on_loop()
-        else:  # refused early here; checked again as it is posted
+        elif num_pages:  # refused early here; checked again as it is posted
             self._inbox.check_room()
         engine = self._engine
         if engine is None:  # a thread that raced close()
