@@ -391,3 +391,23 @@ async def test_front_door_at_scale_reports_its_figures_and_fragments_as_defined(
         scattered_host_pages=32_768, scattered_device_pages=4_096,
         scattered_request_pages=1_024, scattered_requests_per_round=20,
         fragmented_pool_pages=262_144, fragmented_run_pages=4)
+
+
+def test_the_overlap_pass_spreads_its_matmuls_evenly_over_the_layers():
+    from dsa_async.bench.overlap_scenario import spread
+
+    for total, parts in [(0, 3), (1, 61), (60, 61), (61, 61), (100, 61), (1_000, 7)]:
+        counts = spread(total, parts)
+        assert len(counts) == parts and sum(counts) == total
+        assert max(counts) - min(counts) <= 1
+
+
+async def test_overlap_reports_the_waits_and_the_pass_it_measured():
+    from dsa_async.bench import overlap_scenario
+
+    run = await run_bench(_config(), [overlap_scenario.overlap], progress=lambda line: None)
+    assert run.errors == {}
+    assert set(run.results) == {"overlap.exposed_fraction", "overlap.forward_pass_over_copy"}
+    # (at this tiny size one matmul may outlast the copy: the aim is only met at full size)
+    assert run.results["overlap.exposed_fraction"] >= 0
+    assert run.results["overlap.forward_pass_over_copy"] > 0

@@ -8,6 +8,7 @@ from . import (  # noqa: F401 - registers them
     copy_scenarios,
     cuda_launch_scenarios,
     pool_scenarios,
+    overlap_scenario,  # after the pool: its import registers the scheduler scenario first
     scale_scenarios,
     service_scenarios,
     thread_scenarios,

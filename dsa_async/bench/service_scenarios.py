@@ -1,4 +1,4 @@
-"""Service figures: front-door overhead with a no-op engine, and per-layer overlap.
+"""Service figures: front-door overhead with a no-op engine.
 
 These are absolute medians (µs) or a fraction, not ratios to a copy: the scheduler figures
 isolate Python work (validation, padding, page states, hazards, batching, metrics) from bytes.
@@ -6,12 +6,9 @@ isolate Python work (validation, padding, page states, hazards, batching, metric
 
 from __future__ import annotations
 
-import asyncio
-import queue
 import random
 import statistics
 import tempfile
-import threading
 import time
 
 import torch
@@ -36,17 +33,6 @@ REFERENCE = register_target(Target(
     "object, a range, a dict update), per iteration, timed in the same rounds as the overhead "
     "figure: how fast this machine ran Python during the run, to read the absolute scheduler "
     "figures against (reported, no target)"))
-OVERLAP = register_target(Target(
-    "overlap.exposed_fraction", Comparison.AT_MOST, 0.10, "",
-    "a forward-pass thread runs torch matmuls per layer sized so the pass takes 1.5x the copy "
-    "and waits on each layer of a 61-layer prefetch of >= 128 MiB (wait_layer); sum of its "
-    "waits / the same prefetch's engine copy time measured alone; median of rounds"))
-PASS_OVER_COPY = register_target(Target(
-    "overlap.forward_pass_over_copy", Comparison.AT_MOST, None, "x",
-    "the overlap figure's forward pass alone / its prefetch's copy alone, as calibrated for "
-    "that run (aimed at 1.5: below it the exposed fraction reads high, above it low; "
-    "reported, no target)"))
-
 DEVICE_PAGES = 512
 
 
@@ -129,88 +115,3 @@ async def _scheduler_figures(ctx: BenchContext) -> dict[str, float]:
 def scheduler(ctx: BenchContext) -> dict[str, float]:
     ctx.progress("scheduler: front-door overhead with a no-op engine")
     return ctx.run_on_loop(_scheduler_figures(ctx))
-
-
-def _compute_pass_s(matrix: torch.Tensor, layers: int, reps: int) -> float:
-    started = time.perf_counter()
-    for _ in range(layers):
-        for _ in range(reps):
-            matrix @ matrix
-    return time.perf_counter() - started
-
-
-#: Calibration stops once the pass is this close to its target (or after ``_CALIBRATIONS``).
-_PASS_TOLERANCE = 0.1
-_CALIBRATIONS = 4
-
-
-def _calibrated_compute(target_s: float, layers: int) -> tuple[torch.Tensor, int, float]:
-    """A matrix and a per-layer repeat count whose forward pass over ``layers`` takes about
-    ``target_s``; also the measured pass time (median of 3) at that count. The count is
-    corrected from the measured pass until it is within ``_PASS_TOLERANCE`` of the target (a
-    single-repeat pass is too short to time well on a loaded machine)."""
-    matrix = torch.randn(128, 128)  # small, so the repeat count sizes the pass finely
-    _compute_pass_s(matrix, layers, 1)  # warm-up
-    reps = max(1, round(target_s / statistics.median(
-        _compute_pass_s(matrix, layers, 1) for _ in range(3))))
-    for _ in range(_CALIBRATIONS):
-        pass_s = statistics.median(_compute_pass_s(matrix, layers, reps) for _ in range(3))
-        if abs(pass_s / target_s - 1) <= _PASS_TOLERANCE:
-            break
-        reps = max(1, round(reps * target_s / pass_s))
-    return matrix, reps, pass_s
-
-
-async def _overlap(ctx: BenchContext) -> tuple[float, float]:
-    g = ctx.geometry
-    pages = max(16, -(-ctx.figure_bytes // g.bytes_per_page))  # at least figure_bytes
-    service, device = bench_service(ctx, pages, ctx.engine_class, pages)
-    async with service:
-        backup = await service.evict(torch.arange(0, pages * g.page_size_tokens))
-        alone = []
-        for _ in range(3):
-            result = await service.prefetch(backup.host_pages,
-                                            torch.arange(0, pages * g.page_size_tokens))
-            alone.append(result.device_s)  # the engine's copy time, without scheduling
-        copy_s = statistics.median(alone)
-        matrix, reps, compute_s = _calibrated_compute(1.5 * copy_s, g.num_layers)
-        ctx.progress(f"overlap: copy alone {copy_s * 1e3:.1f} ms, forward pass alone "
-                     f"{compute_s * 1e3:.1f} ms ({compute_s / copy_s:.2f}x)")
-        fractions = []
-        work: queue.SimpleQueue = queue.SimpleQueue()
-        waits: queue.SimpleQueue = queue.SimpleQueue()
-
-        def forward_pass() -> None:
-            """A persistent forward-pass thread, as a server has: one prefetch per step."""
-            while (load := work.get()) is not None:
-                waited = 0.0
-                for layer in range(g.num_layers):
-                    started = time.perf_counter()
-                    load.wait_layer(layer)
-                    waited += time.perf_counter() - started
-                    for _ in range(reps):
-                        matrix @ matrix
-                waits.put(waited)
-
-        thread = threading.Thread(target=forward_pass, name="bench-forward-pass")
-        thread.start()
-        try:
-            for _ in range(max(ctx.pairs, 5)):
-                ctx.check_stop()
-                load = service.prefetch(backup.host_pages,
-                                        torch.arange(0, pages * g.page_size_tokens))
-                work.put(load)
-                await load
-                fractions.append(await asyncio.to_thread(waits.get) / copy_s)
-        finally:
-            work.put(None)
-            await asyncio.to_thread(thread.join)
-        service.release(backup.host_pages)
-    return statistics.median(fractions), compute_s / copy_s
-
-
-@register_scenario
-def overlap(ctx: BenchContext) -> dict[str, float]:
-    ctx.progress("overlap: forward pass consuming a prefetch layer by layer")
-    exposed, pass_over_copy = ctx.run_on_loop(_overlap(ctx))
-    return {OVERLAP.name: exposed, PASS_OVER_COPY.name: pass_over_copy}
