@@ -13,6 +13,7 @@ import itertools
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dsa_async.config import PoolSize, ServiceConfig
 from dsa_async.errors import ConfigError
@@ -164,6 +165,56 @@ _CASES += [(layout, fused, 5, kind, 150_000, mapped)  # several tiles per batch
 
 @pytest.mark.parametrize(("layout", "fused", "layers", "kind", "capacity", "mapped"), _CASES)
 def test_cuda_copy_plan_round_trips_byte_exact(layout, fused, layers, kind, capacity, mapped):
+    _round_trip(layout, fused, layers, kind, capacity, mapped)
+
+
+class _IndexWrites(TorchDispatchMode):
+    """Records ``(dim, destination contiguous)`` of every index write issued inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[tuple[int, bool]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.index_copy_, torch.ops.aten.index_copy,
+                                   torch.ops.aten.index_put_, torch.ops.aten.index_put):
+            dim = args[1] if func.overloadpacket in (torch.ops.aten.index_copy_,
+                                                     torch.ops.aten.index_copy) else 0
+            self.writes.append((dim, args[0].is_contiguous()))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def deterministic_mode():
+    """torch's deterministic algorithms on for the test (as a host process may set them)."""
+    was_on = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(was_on, warn_only=warn_only)
+
+
+@pytest.mark.parametrize(("layout", "fused", "layers", "kind", "capacity", "mapped"), _CASES)
+def test_in_deterministic_mode_index_copies_write_rows_of_contiguous_tensors_only(
+        deterministic_mode, layout, fused, layers, kind, capacity, mapped):
+    # A CUDA index_copy_ then runs as a deterministic index_put_ that copies and rewrites the
+    # whole destination unless it writes dim-0 rows of a contiguous tensor: every page of a
+    # fused view's layers (racing the forward pass's writes), or the mapped arena slab.
+    with _IndexWrites() as recorded:
+        _round_trip(layout, fused, layers, kind, capacity, mapped)
+    assert all(write == (0, True) for write in recorded.writes), recorded.writes
+
+
+def test_outside_deterministic_mode_a_fused_scatter_is_one_kernel_per_layer_group():
+    assert not torch.are_deterministic_algorithms_enabled()
+    with _IndexWrites() as recorded:
+        _round_trip(HostLayout.LAYER_FIRST, True, 5, "random", 64 << 20, True)
+    assert any(dim == 1 for dim, _ in recorded.writes)  # the fast path where it is safe
+
+
+def _round_trip(layout, fused, layers, kind, capacity, mapped):
+    """A backup then a load of other device pages through the CUDA copy code on CPU tensors,
+    checked byte for byte, untouched device pages included."""
     rng = np.random.default_rng(layers * 7 + len(kind))
     _pool, bindings = _setup(layout, fused, layers)
     n = 16

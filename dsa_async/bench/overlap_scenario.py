@@ -6,8 +6,8 @@ pass is torch matmuls on a persistent thread of its own (as a server's forward p
 whole number of them spread evenly over the layers, so its length can be set to about 1 % (a
 fixed repeat count per layer set it in steps of ~0.8x the copy). The same thread times the pass
 alone in every round, next to the copy alone and the two together, so the figure reads each
-round's waits against that round's copy, and a pass that drifted off 1.5 is re-aimed for the
-next round.
+round's waits against that round's copy, and sizes each round's pass from the rounds before
+(the median pass per matmul over the copy), so a pass that drifted is brought back to 1.5.
 """
 
 from __future__ import annotations
@@ -33,12 +33,13 @@ OVERLAP = register_target(Target(
 PASS_OVER_COPY = register_target(Target(
     "overlap.forward_pass_over_copy", Comparison.AT_MOST, None, "x",
     "the overlap figure's forward pass alone / its prefetch's copy alone, median of the "
-    "rounds (aimed at 1.5 and re-aimed after a round off by more than 10 %: below 1.5 the "
-    "exposed fraction reads high, above it low; reported, no target)"))
+    "rounds (aimed at 1.5: each round's pass is sized from the median pass per matmul / copy "
+    "of the rounds before; below 1.5 the exposed fraction reads high, above it low; "
+    "reported, no target)"))
 
 #: The forward pass is this many times the copy alone (the figure's definition).
 PASS_OVER_COPY_AIM = 1.5
-#: A pass further than this from its aim is re-aimed (calibration, and between rounds).
+#: Calibration stops once a pass is this close to its aim (or after ``_CALIBRATIONS``).
 _AIM_TOLERANCE = 0.10
 _CALIBRATIONS = 6
 
@@ -134,7 +135,7 @@ async def _overlap(ctx: BenchContext) -> tuple[float, float]:
             matmuls = await _calibrate(forward, copy_s)
             ctx.progress(f"overlap: copy alone {copy_s * 1e3:.1f} ms, a pass of {matmuls} "
                          f"matmuls aimed at {PASS_OVER_COPY_AIM}x")
-            fractions, pass_ratios = [], []
+            fractions, pass_ratios, per_matmul = [], [], []
             for _ in range(max(ctx.pairs, 5)):
                 ctx.check_stop()
                 copy_s = await copy_alone_s()
@@ -147,8 +148,9 @@ async def _overlap(ctx: BenchContext) -> tuple[float, float]:
                     _, waited_s = await together
                 fractions.append(waited_s / copy_s)
                 pass_ratios.append(pass_s / copy_s)
-                if abs(pass_s / (PASS_OVER_COPY_AIM * copy_s) - 1) > _AIM_TOLERANCE:
-                    matmuls = _aimed(matmuls, pass_s, PASS_OVER_COPY_AIM * copy_s)
+                # the next round's pass from every round so far: the median pass per matmul
+                per_matmul.append(pass_s / copy_s / matmuls)
+                matmuls = max(1, round(PASS_OVER_COPY_AIM / statistics.median(per_matmul)))
         finally:
             await asyncio.to_thread(forward.close)
         service.release(backup.host_pages)

@@ -36,6 +36,15 @@ cuts the host range at the engine's registration edges. Kernels on the mapped vi
 Staging reuse is safe because every op that writes or reads it is issued on one stream, in
 order: a later tile's gather cannot start before the earlier tile's copy has read the buffer.
 Index ops run on wide-integer views of the page rows (``wide_view``).
+
+**torch's deterministic mode.** Under ``torch.use_deterministic_algorithms(True)`` (also with
+``warn_only``) a CUDA ``index_copy_`` runs as ``index_put_``, whose deterministic kernel copies
+the whole destination and writes all of it back unless it writes rows (dim 0) of a contiguous
+tensor. Along dim 1 of a fused device view that rewrites every page of those layers, racing
+the forward pass's writes to other pages on its own stream (lost KV writes), and into the
+mapped host view it copies the arena slab into device memory. So while the mode is on (read
+per batch: the host process may switch it), index copies write one contiguous device layer at
+a time along dim 0, and backups do not take ``MAPPED`` (they take ``STAGED``).
 """
 
 from __future__ import annotations
@@ -136,6 +145,8 @@ class BatchCopy:
         self.staging = staging
         self.registrations = registrations
         self.host_pages, self.device_pages = host_pages, device_pages
+        #: torch's deterministic mode is on: index copies only along dim 0 (module docstring)
+        self.deterministic = torch.are_deterministic_algorithms_enabled()
         one_run = n > 0 and is_run(host_pages) and is_run(device_pages)
         self.runs = (np.array([[host_pages.item(0), device_pages.item(0), n]], dtype=np.int64)
                      if one_run else page_runs(host_pages, device_pages))
@@ -250,7 +261,10 @@ class _PoolPlan:
                       for p0 in range(0, n, self.page_step)] if self.path is not CopyPath.RUNS else []
 
     def _choose(self, batch: BatchCopy, row: int) -> CopyPath:
-        mapped = self.pool.mapped is not None
+        # A MAPPED backup writes the host view with index_copy_ along dim 1 (see the module
+        # docstring on deterministic mode); a MAPPED load only reads it.
+        mapped = self.pool.mapped is not None and not (
+            batch.deterministic and batch.direction is Direction.D2H)
         segments = len(batch.segment_pos)
         long_segments = batch.num_pages * row >= MIN_BYTES_PER_CALL * max(1, segments)
         if self.layer_first:
@@ -436,10 +450,12 @@ def _scatter_device(plan: _PoolPlan, tile: _Pieces, l0: int, l1: int,
                 b.device_layers[layer][lo:hi].copy_(src[j])
         return
     _, dev_index = plan.batch.index(tile.p0, tile.p1)
-    if fused is not None:
+    if fused is not None and not plan.batch.deterministic:
         dst, s = same_width(fused[l0:l1], src)
         dst.index_copy_(1, dev_index, s)  # one kernel for the layer group
         return
+    # one kernel per layer, along dim 0 of a contiguous layer (deterministic mode writes only
+    # those rows; the layers are checked contiguous when the pool is bound)
     for j, layer in enumerate(range(l0, l1)):
         dst, s = same_width(b.device_layers[layer], src[j])
         dst.index_copy_(0, dev_index, s)

@@ -191,6 +191,21 @@ def test_round_trip_is_byte_exact_when_staging_is_tiled(kind, layout, fused):
     _round_trip(SmallStagingEngine, 7, layout, fused, kind, seed=3)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["per_layer", "fused"])
+@pytest.mark.parametrize("layout", list(HostLayout), ids=lambda v: v.value)
+@pytest.mark.parametrize("kind", ["extents", "random"])
+def test_round_trip_is_byte_exact_in_deterministic_mode(kind, layout, fused):
+    # torch reroutes a CUDA index_copy_ through a deterministic index_put_ there: the copy
+    # code then writes rows of one contiguous layer at a time (tests/test_cuda_import.py)
+    was_on = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        _round_trip(CudaEngine, 61, layout, fused, kind, seed=5)
+    finally:
+        torch.use_deterministic_algorithms(was_on, warn_only=warn_only)
+
+
 def test_load_waits_for_the_backup_it_reads_on_the_gpu():
     """RAW on host pages: the load is queued right behind a slow backup, no CPU sync between."""
     _pool, bindings = make_pools(8, HostLayout.LAYER_FIRST, False, 64, 96, with_kv=False)
