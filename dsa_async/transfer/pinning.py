@@ -241,12 +241,16 @@ class HostPinning:
                 inner_start = _align_up(start, HOST_PAGE_BYTES) if start == lo else start
                 inner_stop = _align_down(stop, HOST_PAGE_BYTES) if stop == hi else stop
                 trimmed = (inner_start, inner_stop) != (start, stop) and inner_start < inner_stop
-                if trimmed and _register(inner_start, inner_stop, self.flags) == CUDA_SUCCESS:
-                    done.append(Registration(inner_start, inner_stop))
-                    edges += (stop - start) - (inner_stop - inner_start)
+                if trimmed:
+                    code = _register(inner_start, inner_stop, self.flags)
+                    if code == CUDA_SUCCESS:
+                        done.append(Registration(inner_start, inner_stop))
+                        edges += (stop - start) - (inner_stop - inner_start)
+                        continue
+                if not trimmed or code == CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED:
+                    foreign.append((start, stop))  # page-locked by its owner: leave it alone
                     continue
-                foreign.append((start, stop))  # page-locked by its owner: leave it alone
-                continue
+                # the trimmed retry failed otherwise (out of memory...): a failure as below
             for reg in done:  # undo this call's chunks: all or nothing
                 _unregister(reg.start)
             return [], [], 0, (start, stop, code)

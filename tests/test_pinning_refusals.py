@@ -1,0 +1,108 @@
+"""How page-locking an arena in chunks answers each thing the driver may say, without a device.
+
+``HostPinning`` registers an arena chunk by chunk; a chunk refused as already registered may be
+a partial end page that a neighbouring allocation's registration holds (retried without it), or
+memory its owner page-locked (left alone); any other refusal undoes every chunk of the call.
+These tests stand a fake driver in for ``cudaHostRegister``/``cudaHostUnregister`` that keeps
+the registered page ranges and answers as the runtime does: 712 for an overlap, or a given
+error for a given range.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsa_async.transfer import pinning
+from dsa_async.transfer.pinning import (
+    CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED,
+    CUDA_SUCCESS,
+    HostPinning,
+    chunk_ranges,
+)
+from dsa_async.transfer.registrations import HOST_PAGE_BYTES
+
+PAGE = HOST_PAGE_BYTES
+OUT_OF_MEMORY = 2  # cudaErrorMemoryAllocation
+
+
+class FakeDriver:
+    """Registrations by whole host pages, as the driver counts them."""
+
+    def __init__(self) -> None:
+        self.registered: dict[int, tuple[int, int]] = {}  # start -> page range [lo, hi)
+        self.refuse: dict[tuple[int, int], int] = {}  # exact range -> error code
+
+    @staticmethod
+    def pages(start: int, stop: int) -> tuple[int, int]:
+        return start // PAGE, -(-stop // PAGE)
+
+    def register(self, start: int, stop: int, flags: int) -> int:
+        if (start, stop) in self.refuse:
+            return self.refuse[(start, stop)]
+        lo, hi = self.pages(start, stop)
+        if any(a < hi and lo < b for a, b in self.registered.values()):
+            return CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED
+        self.registered[start] = (lo, hi)
+        return CUDA_SUCCESS
+
+    def unregister(self, start: int) -> int:
+        return CUDA_SUCCESS if self.registered.pop(start, None) else 713
+
+
+@pytest.fixture
+def driver(monkeypatch):
+    fake = FakeDriver()
+    monkeypatch.setattr(pinning, "_register", fake.register)
+    monkeypatch.setattr(pinning, "_unregister", fake.unregister)
+    return fake
+
+
+def _pieces(lo: int, hi: int, chunk_bytes: int = 4 * PAGE):
+    pinning_ = HostPinning(torch.device("cpu"), chunk_bytes=chunk_bytes)
+    return pinning_._register_pieces(lo, hi, chunk_ranges(lo, hi - lo, chunk_bytes))
+
+
+def test_every_chunk_registers_when_nothing_else_holds_the_memory(driver):
+    lo, hi = 100 * PAGE + 64, 110 * PAGE + 8
+    done, foreign, edges, failure = _pieces(lo, hi)
+    assert failure is None and foreign == [] and edges == 0
+    assert [(r.start, r.stop) for r in done] == chunk_ranges(lo, hi - lo, 4 * PAGE)
+    assert set(driver.registered) == {r.start for r in done}
+
+
+def test_a_neighbour_holding_the_first_partial_page_costs_only_that_page(driver):
+    lo, hi = 100 * PAGE + 64, 110 * PAGE
+    driver.registered[0] = (100, 101)  # another allocation's registration in page 100
+    done, foreign, edges, failure = _pieces(lo, hi)
+    assert failure is None and foreign == []
+    assert done[0].start == 101 * PAGE and edges == PAGE - 64
+    assert sum(r.nbytes for r in done) + edges == hi - lo
+
+
+def test_memory_its_owner_page_locked_is_left_alone_and_reported(driver):
+    lo, hi = 100 * PAGE, 112 * PAGE
+    driver.registered[0] = (104, 108)  # the whole middle chunk
+    done, foreign, edges, failure = _pieces(lo, hi)
+    assert failure is None and foreign == [(104 * PAGE, 108 * PAGE)] and edges == 0
+    assert [(r.start, r.stop) for r in done] == [(100 * PAGE, 104 * PAGE),
+                                                 (108 * PAGE, 112 * PAGE)]
+
+
+def test_another_refusal_undoes_every_chunk_of_the_call(driver):
+    lo, hi = 100 * PAGE, 112 * PAGE
+    driver.refuse[(108 * PAGE, 112 * PAGE)] = OUT_OF_MEMORY
+    done, foreign, edges, failure = _pieces(lo, hi)
+    assert (done, foreign, edges) == ([], [], 0)
+    assert failure == (108 * PAGE, 112 * PAGE, OUT_OF_MEMORY)
+    assert driver.registered == {}
+
+
+def test_a_retry_without_the_partial_page_that_fails_otherwise_is_a_failure_not_foreign(driver):
+    lo, hi = 100 * PAGE + 64, 112 * PAGE
+    driver.registered[0] = (100, 101)  # the first chunk is refused for its partial page...
+    driver.refuse[(101 * PAGE, 104 * PAGE)] = OUT_OF_MEMORY  # ...and its retry for memory
+    done, foreign, edges, failure = _pieces(lo, hi)
+    assert (done, foreign, edges) == ([], [], 0)
+    assert failure == (lo, 104 * PAGE, OUT_OF_MEMORY)
+    assert set(driver.registered) == {0}  # only the neighbour's registration is left
