@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dsa_async.errors import HostBudgetExceeded
 from dsa_async.transfer import pinning
 from dsa_async.transfer.pinning import (
     CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED,
@@ -106,3 +107,27 @@ def test_a_retry_without_the_partial_page_that_fails_otherwise_is_a_failure_not_
     assert (done, foreign, edges) == ([], [], 0)
     assert failure == (lo, 104 * PAGE, OUT_OF_MEMORY)
     assert set(driver.registered) == {0}  # only the neighbour's registration is left
+
+
+@pytest.fixture
+def on_this_thread(monkeypatch):
+    """``register`` runs its driver calls here (no device to bind a thread to)."""
+    monkeypatch.setattr(pinning, "run_isolated", lambda device, fn: fn())
+
+
+@pytest.mark.parametrize(("code", "says", "never_says"), [
+    (OUT_OF_MEMORY, "Make the host pool smaller (ServiceConfig.host_pool)", "cudaDevAttr"),
+    (801, "cudaDevAttrHostRegisterSupported", "Make the host pool smaller"),  # not supported
+])
+def test_a_refused_arena_says_what_to_change_for_that_refusal(driver, on_this_thread, code,
+                                                                says, never_says):
+    arena = torch.empty(12 * PAGE, dtype=torch.uint8)
+    start = arena.untyped_storage().data_ptr()
+    host = HostPinning(torch.device("cpu"), chunk_bytes=4 * PAGE)
+    driver.refuse[chunk_ranges(start, 12 * PAGE, 4 * PAGE)[-1]] = code
+    with pytest.raises(HostBudgetExceeded) as refused:
+        host.register_tensor_storage(arena, "the indexer arena")
+    message = str(refused.value)
+    assert f"cudaError {code}" in message and "the indexer arena" in message
+    assert says in message and never_says not in message
+    assert driver.registered == {} and host.pinned_bytes == 0  # all or nothing

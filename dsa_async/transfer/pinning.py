@@ -56,6 +56,7 @@ CUDA_HOST_REGISTER_PORTABLE = 1
 #: ``cudaHostRegisterMapped``: also mapped into the device address space (kernels may use it).
 CUDA_HOST_REGISTER_MAPPED = 2
 CUDA_SUCCESS = 0
+CUDA_ERROR_MEMORY_ALLOCATION = 2
 CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
 CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED = 713
 
@@ -216,13 +217,20 @@ class HostPinning:
                      foreign)
         if failure is not None:
             start, stop, code = failure
+            if code == CUDA_ERROR_MEMORY_ALLOCATION:
+                to_fix = (f"Make the host pool smaller (ServiceConfig.host_pool) or free host "
+                          f"memory. For reference: {memlock_limit_text()} (as far as known "
+                          f"the driver does not charge cudaHostRegister to it)")
+            else:
+                to_fix = ("The driver refused it for another reason than memory, so a "
+                          "smaller pool will not help: the CUDA backend page-locks its host "
+                          "pool in place, which some systems do not allow (the device "
+                          "attribute cudaDevAttrHostRegisterSupported is 0 on some "
+                          "virtualized or confidential-computing GPUs)")
             raise HostBudgetExceeded(
                 f"could not page-lock {what}: cudaHostRegister refused {stop - start:,} B at "
                 f"offset {start - ptr:,} of the arena's {nbytes:,} B with "
-                f"{cuda_error_text(code)}; nothing of this arena stays page-locked. Make the "
-                f"host pool smaller (ServiceConfig.host_pool) or free host memory. For "
-                f"reference: {memlock_limit_text()} (as far as known the driver does not "
-                f"charge cudaHostRegister to it)"
+                f"{cuda_error_text(code)}; nothing of this arena stays page-locked. {to_fix}"
             )
 
     def _register_pieces(self, lo: int, hi: int, pieces: list[tuple[int, int]]):
