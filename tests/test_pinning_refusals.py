@@ -131,3 +131,13 @@ def test_a_refused_arena_says_what_to_change_for_that_refusal(driver, on_this_th
     assert f"cudaError {code}" in message and "the indexer arena" in message
     assert says in message and never_says not in message
     assert driver.registered == {} and host.pinned_bytes == 0  # all or nothing
+
+
+def test_chunks_and_trims_fall_on_the_hosts_own_page_size():
+    import resource
+
+    assert PAGE == resource.getpagesize()
+    for page in (4096, 16384, 65536):  # x86, some arm64, Grace-class arm64 kernels
+        pieces = chunk_ranges(7 * page + 40, 9 * page, 2 * page, page_bytes=page)
+        assert all(stop % page == 0 for _start, stop in pieces[:-1])
+        assert all(b[0] == a[1] for a, b in zip(pieces, pieces[1:]))

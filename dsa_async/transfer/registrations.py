@@ -17,9 +17,14 @@ translated on its own. They need every page they touch to be mapped for the devi
 from __future__ import annotations
 
 import bisect
+import resource
 from collections.abc import Iterable
 
-HOST_PAGE_BYTES = 4096
+#: The host's page size: registrations page-lock whole pages of it, so chunk edges must fall on
+#: them (4 KiB on most x86 hosts, 64 KiB on many aarch64 ones, e.g. Grace: with 4 KiB assumed
+#: there, neighbouring chunks of a torch-allocated arena would share a page and every other
+#: chunk be refused as already registered).
+HOST_PAGE_BYTES = resource.getpagesize()
 
 
 class RegistrationMap:
