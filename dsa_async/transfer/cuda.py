@@ -74,6 +74,7 @@ from .cuda_copy import (
     PoolTarget,
     issue_batch,
 )
+from .event_waits import wait_for, wait_in_order
 from .handoff import LoopHandoff
 from .layer_probes import ON_TIME, Classify, LayerProbe, call_classify, verdict
 from .mapped import mapped_view
@@ -569,13 +570,16 @@ class CudaEngine(TransferEngine):
         error = progress.error
         duration_s = 0.0
         completed = False
+        def reached(layers: int) -> None:
+            for callback in handle.mark_ready(layers):
+                self.handoff.post(callback)  # per-layer readiness reaches the loop now
+
         try:
-            for i, event in enumerate(handle.layer_events):
-                event.synchronize()  # this thread waits for the copy; the loop never does
-                for callback in handle.mark_ready(i + 1):
-                    self.handoff.post(callback)  # per-layer readiness reaches the loop now
+            # this thread waits for the copy (the loop never does), letting go of the GIL only
+            # for a layer the device has not reached (event_waits.py)
+            wait_in_order(handle.layer_events, reached)
             if progress.end is not None:
-                progress.end.synchronize()
+                wait_for(progress.end)
                 if progress.start is not None:
                     duration_s = progress.start.elapsed_time(progress.end) / 1e3
             completed = True
