@@ -8,14 +8,16 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import tempfile
+import threading
 
 import pytest
 import torch
 
 from dsa_async import Pages, PoolSize, ServiceConfig, TransferFailedError, dsa_indexer
+from dsa_async.errors import WrongThreadError
 from dsa_async.integrations.loop_thread import ServiceThread
 from dsa_async.integrations.sglang.engine import _Mark
-from dsa_async.integrations.sglang.layer_counter import LoadSlot
+from dsa_async.integrations.sglang.layer_counter import LoadSlot, ServiceLayerCounter
 
 LAYERS = 2
 BOUND_S = 10
@@ -64,7 +66,15 @@ LOOKS = {
     "slot.finish_event.query": lambda load: _finish(load).query(),
     "slot.finish_event.synchronize": lambda load: _finish(load).synchronize(),
     "slot.wait": _slot_wait,
+    "counter.update_producer": lambda load: _counter_with(load).update_producer(),
 }
+
+
+def _counter_with(load) -> ServiceLayerCounter:
+    """A layer counter whose next producer slot last carried ``load``."""
+    counter = ServiceLayerCounter(LAYERS, cuda=False)
+    counter.events[0].attach(load)
+    return counter
 
 
 def _finish(load):
@@ -91,3 +101,39 @@ def test_a_copy_that_succeeded_reports_its_time_and_passes_every_look(service_th
     for look in LOOKS.values():
         look(load)
     assert _Mark(None, "start").elapsed_time(_Mark(load, "a load")) >= 0.0
+
+
+def test_a_slot_whose_load_the_service_has_not_seen_end_is_waited_for_not_asserted(
+        service_thread):
+    # SGLang asserts the slot's device event; the service's own view of the load's end can
+    # lag the device while the scheduler thread holds the GIL, so this waits for it instead.
+    service = service_thread.service
+    handle = service.call_threadsafe(service.allocate_host_pages, 1).result(BOUND_S)
+    producer: concurrent.futures.Future = concurrent.futures.Future()
+    load = service.prefetch_threadsafe(handle, Pages([3]), after=producer)
+    counter = _counter_with(load)
+    outcome: list[object] = []
+    taker = threading.Thread(target=lambda: outcome.append(counter.update_producer()))
+    taker.start()
+    taker.join(0.2)
+    assert taker.is_alive() and not load.done()  # waiting for the load, not asserting
+    producer.set_result(None)
+    taker.join(BOUND_S)
+    assert not taker.is_alive() and outcome == [0] and load.done()
+
+
+def test_a_wait_that_fails_before_the_copy_ended_is_fatal_with_its_own_cause(service_thread):
+    service = service_thread.service
+    handle = service.call_threadsafe(service.allocate_host_pages, 1).result(BOUND_S)
+    producer: concurrent.futures.Future = concurrent.futures.Future()
+    load = service.prefetch_threadsafe(handle, Pages([3]), after=producer)
+    try:
+        for look in (lambda: _Mark(load, "a load").synchronize(),
+                     lambda: _finish(load).synchronize()):
+            # on the service's own loop thread a blocking wait is refused (WrongThreadError)
+            with pytest.raises(TransferFailedError, match="fatal") as refused:
+                service.call_threadsafe(look).result(BOUND_S)
+            assert isinstance(refused.value.__cause__, WrongThreadError)
+    finally:
+        producer.set_result(None)
+        load.wait(timeout_s=BOUND_S)

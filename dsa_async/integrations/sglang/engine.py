@@ -57,6 +57,18 @@ def fatal(transfer: Transfer, what: str) -> None:
         raise_fatal(error, what)
 
 
+def wait_then_fatal(transfer: Transfer, what: str) -> None:
+    """Block the calling thread until the copy ended, then raise as :func:`fatal` does if it
+    failed. A wait that itself fails before the copy ended (a wrong thread...) is raised as
+    fatal with its own cause, not hidden behind the copy's "not done yet"."""
+    try:
+        transfer.wait()
+    except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001 - reported below
+        if not transfer.done():
+            raise_fatal(exc, what)
+    fatal(transfer, what)
+
+
 def raise_fatal(error: BaseException, what: str) -> NoReturn:
     """Log ``error`` of ``what`` as critical and raise it as a ``TransferFailedError``."""
     log.critical("dsa_async: %s failed; SGLang has no per-request abort here and the TP ranks "
@@ -86,14 +98,8 @@ class _Mark:
         return True
 
     def synchronize(self) -> None:
-        transfer = self._transfer
-        if transfer is None:
-            return
-        try:
-            transfer.wait()
-        except (Exception, asyncio.CancelledError):  # noqa: BLE001 - reported as fatal below
-            pass
-        fatal(transfer, self._what)
+        if self._transfer is not None:
+            wait_then_fatal(self._transfer, self._what)
 
     def elapsed_time(self, end: _Mark) -> float:
         """Milliseconds the copy took on the device (the service's batch timing); 0 before it

@@ -2,9 +2,9 @@
 producer slot following one service prefetch layer by layer.
 
 SGLang keeps a ring of 3 producer slots. ``start_loading`` takes the next one
-(``update_producer``, which asserts the slot's last load finished and never waits), records its
-``start_event`` on the scheduler thread's stream, and submits the load with the slot's
-``complete`` as ``on_layer_done``; the transfer engine (engine.py) attaches the service's
+(``update_producer``: SGLang's asserts the slot's last load finished; this one waits for the
+service to have seen it end, see there), records its ``start_event`` on the scheduler
+thread's stream, and submits the load with the slot's ``complete`` as ``on_layer_done``; the transfer engine (engine.py) attaches the service's
 ``Transfer`` to that slot. A forward batch names its slot (``set_consumer``) and the device
 pool's getters call ``wait_until(layer)`` before reading a layer: here that is
 ``Transfer.wait_layer(layer)``, a GPU-side wait of the current stream on the layer's copy on
@@ -20,7 +20,7 @@ import torch
 
 from ...completion.transfer import Transfer
 from ...errors import ServiceClosedError, TransferFailedError
-from .engine import fatal, raise_fatal
+from .engine import fatal, raise_fatal, wait_then_fatal
 
 NUM_SLOTS = 3  #: SGLang's ring of producer slots (LayerDoneCounter.num_counters)
 
@@ -58,11 +58,7 @@ class _SlotFinish:
     def synchronize(self) -> None:
         transfer = self._slot.transfer
         if transfer is not None:
-            try:
-                transfer.wait()
-            except (Exception, asyncio.CancelledError):  # noqa: BLE001 - reported below
-                pass
-            fatal(transfer, "a host-to-device load")
+            wait_then_fatal(transfer, "a host-to-device load")
 
 
 class LoadSlot:
@@ -108,11 +104,17 @@ class ServiceLayerCounter:
         self.consumer_index = -1
 
     def update_producer(self) -> int:
-        """Take the next slot for a load; its previous load must have finished (SGLang checks
-        ``has_free_load_back_slot`` first). Never waits."""
+        """Take the next slot for a load. SGLang reuses a slot three loads later, after the
+        forward pass that waited on every layer of its last load, so that copy has ended on
+        the device; SGLang asserts its finish event. Here the slot is done when the service
+        has seen the copy end, which can lag the device while the scheduler thread holds the
+        GIL (the completion and loop threads need it): then this waits for that, briefly,
+        instead of failing an assertion on one TP rank and not on the others. Raises as fatal
+        if that load failed."""
         self.producer_index = (self.producer_index + 1) % self.num_counters
-        assert self.events[self.producer_index].finish_event.query(), (
-            "Producer finish event should be ready before being reused.")
+        finish = self.events[self.producer_index].finish_event
+        if not finish.query():
+            finish.synchronize()
         return self.producer_index
 
     def set_consumer(self, index: int) -> None:
