@@ -8,6 +8,7 @@ state is changed.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import torch
@@ -19,6 +20,9 @@ from ...errors import UnsupportedSettingError
 SUPPORTED_MEM_LAYOUTS = ("layer_first", "page_first_direct")
 #: ``--hicache-storage-backend`` values whose host memory is allocated by the backend itself.
 _OWN_ALLOCATOR_BACKENDS = ("mooncake", "mori", "shm", "tensorcast", "npu_memcache")
+#: ``--hicache-storage-backend`` values that move pages through ``get_page_buffer_meta``
+#: addresses (SGLang's zero-copy interface), which assume a contiguous layer_first KV buffer.
+_RAW_POINTER_BACKENDS = ("nixl", "seaweedfs", "simm")
 _UNSET_BY = "or unset DSA_ASYNC_SGLANG to let SGLang build its own cache"
 
 
@@ -74,8 +78,18 @@ def _problems(kvcache: Any, params: Any, memory: Any, storage_backend: str | Non
         how = backend if backend in _OWN_ALLOCATOR_BACKENDS else (
             f"{backend} (with a {host_allocator} allocator in its extra config)")
         yield (f"--hicache-storage-backend {how} allocates the host memory itself (and "
-               f"forces its own layout); use file, nixl, hf3fs or no storage backend")
+               f"forces its own layout); use file, hf3fs, nixl (with --hicache-mem-layout "
+               f"page_first_direct) or no storage backend")
     layout = getattr(memory, "hicache_mem_layout", None)
+    if layout == "layer_first" and (backend in _RAW_POINTER_BACKENDS or (
+            backend == "dynamic" and _asks_for_interface_v1(memory))):
+        which = backend if backend != "dynamic" else "dynamic with interface_v1"
+        yield (f"--hicache-storage-backend {which} reads and writes host pages through raw "
+               f"addresses that SGLang computes for a layer_first KV buffer of exactly the KV "
+               f"pool's pages, and the service's KV view there spans the indexer's page count "
+               f"per layer (one page more), so every layer after the first would be read from "
+               f"and written to the wrong pages; use --hicache-mem-layout page_first_direct "
+               f"with this backend")
     if layout not in SUPPORTED_MEM_LAYOUTS:
         yield (f"--hicache-mem-layout {layout} is not supported: the service's host pages are "
                f"block-split per layer, which SGLang's {' and '.join(SUPPORTED_MEM_LAYOUTS)} "
@@ -90,3 +104,16 @@ def _problems(kvcache: Any, params: Any, memory: Any, storage_backend: str | Non
         yield "pipeline parallelism (--pp-size > 1) is not supported; use --pp-size 1"
     if getattr(params, "attn_cp_size", 1) > 1:
         yield "attention context parallelism (--attn-cp-size > 1) is not supported"
+
+
+def _asks_for_interface_v1(memory: Any) -> bool:
+    """Whether a ``dynamic`` backend's extra config selects SGLang's zero-copy interface
+    (``interface_v1``), read as SGLang reads it (``cache_controller.py``)."""
+    text = getattr(memory, "hicache_storage_backend_extra_config", None)
+    if not text:
+        return False
+    try:
+        config = json.loads(text)
+    except ValueError:
+        return False  # SGLang refuses a malformed config itself
+    return isinstance(config, dict) and bool(config.get("interface_v1", 0))

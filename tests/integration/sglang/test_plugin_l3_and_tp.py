@@ -17,6 +17,7 @@ whose SGLang host pools differ fail at start, both of them, with the plug-in's e
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import queue
@@ -25,6 +26,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -32,7 +34,9 @@ import torch
 from sglang.srt.managers.scheduler import Scheduler
 from sglang.srt.mem_cache.hicache_storage import HiCacheFile, PoolName
 
+from dsa_async.errors import UnsupportedSettingError
 from dsa_async.integrations.sglang.engine import ServiceTransferEngine
+from dsa_async.integrations.sglang.refusals import check_supported
 from dsa_async.integrations.sglang.strategy import DsaAsyncStrategy
 
 OPT_IN = {"DSA_ASYNC_SGLANG": "1"}
@@ -105,6 +109,39 @@ def _expected_files(seeded, page_tokens: int) -> tuple[list[bytes], list[bytes]]
         for page in range(seeded.indexer[0].shape[0])
     ]
     return kv, indexer
+
+
+@pytest.mark.parametrize("mem_layout", ["layer_first", "page_first_direct"])
+def test_sglangs_raw_page_addresses_hold_each_page_or_their_backends_are_refused(
+    dsa_hicache, mem_layout
+):
+    # SGLang's zero-copy storage backends (nixl, seaweedfs, simm, dynamic with interface_v1)
+    # move pages through get_page_buffer_meta's addresses, the others through get_data_page.
+    # Where the views the plug-in hands SGLang make the two disagree, those backends must be
+    # refused (refusals.py); where they agree, both read the same bytes.
+    from dsa_async.integrations.sglang.refusals import _RAW_POINTER_BACKENDS
+
+    cache = dsa_hicache(num_layers=3, mem_layout=mem_layout, io_backend="direct", env=OPT_IN)
+    kv = cache.host_pool("kv")
+    torch.manual_seed(0)
+    flat = kv.kv_buffer.view(torch.uint8)
+    flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8))
+    page_tokens = kv.page_size
+    agree = True
+    for page in (1, 2, kv.size // page_tokens - 1):
+        indices = torch.arange(page * page_tokens, (page + 1) * page_tokens)
+        addresses, sizes = kv.get_page_buffer_meta(indices)
+        raw = b"".join(bytes((ctypes.c_char * size).from_address(address))
+                       for address, size in zip(addresses, sizes))
+        agree &= raw == kv.get_data_page(indices[0], flat=True).view(torch.uint8).numpy().tobytes()
+    # page_first_direct is contiguous; layer_first's KV view spans one page more per layer
+    assert agree == (mem_layout == "page_first_direct")
+    for backend in _RAW_POINTER_BACKENDS:
+        if not agree:
+            with pytest.raises(UnsupportedSettingError, match=f"storage-backend {backend} reads"):
+                check_supported(kvcache=cache.kv_pool, params=None, memory=SimpleNamespace(
+                    hicache_mem_layout=mem_layout, hicache_io_backend="direct",
+                    hicache_storage_backend=backend), storage_backend=backend)
 
 
 @pytest.mark.parametrize(

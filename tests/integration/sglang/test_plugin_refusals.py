@@ -237,6 +237,32 @@ def test_a_dynamic_backend_asking_for_shared_memory_is_refused(dsa_hicache, capl
     watch.assert_nothing_allocated()
 
 
+#: Backends that move pages through ``get_page_buffer_meta`` addresses (SGLang 0.5.23:
+#: ``seaweedfs_store.py`` ``_get_into``/``_put_from``, ``hicache_simm.py``, ``hicache_nixl.py``
+#: zero copy), computed for a contiguous layer_first KV buffer of the KV pool's own size.
+RAW_POINTER_BACKENDS = ("nixl", "seaweedfs", "simm")
+
+
+@pytest.mark.parametrize("backend", RAW_POINTER_BACKENDS)
+def test_a_raw_address_backend_is_refused_with_layer_first(dsa_hicache, caplog, watch,
+                                                           backend):
+    message = refused_by_sglangs_build(dsa_hicache, caplog, mem_layout="layer_first",
+                                       io_backend="direct", storage_backend=backend)
+    assert f"--hicache-storage-backend {backend} reads and writes host pages" in message
+    assert "use --hicache-mem-layout page_first_direct" in message
+    watch.assert_nothing_allocated()
+
+
+def test_a_dynamic_backend_on_sglangs_zero_copy_interface_is_refused_with_layer_first(
+        dsa_hicache, caplog, watch):
+    message = refused_by_sglangs_build(
+        dsa_hicache, caplog, mem_layout="layer_first", io_backend="direct",
+        storage_backend="dynamic",
+        extra_server_args={"hicache_storage_backend_extra_config": '{"interface_v1": 1}'})
+    assert "--hicache-storage-backend dynamic with interface_v1 reads and writes" in message
+    watch.assert_nothing_allocated()
+
+
 def test_index_kpool_above_one_is_refused(dsa_hicache, caplog, watch):
     # SGLang's DSA pool needs 64-token indexer pages: page_size / index_kpool == 64.
     message = refused_by_sglangs_build(dsa_hicache, caplog, mem_layout="layer_first",
