@@ -298,3 +298,94 @@ async def test_a_loop_request_refused_after_taking_threads_handoffs_stages_nothi
                                  host_tokens=held.token_indices(), after=backup)
             assert _CountingStages.staged == before
             await backup
+
+
+# --- what the values wait for: indices_after= -----------------------------------------------
+
+
+class _RecordingStages(LateIndexEngine):
+    """Records the producers each device index tensor is staged after."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.staged_after: list[tuple] = []
+
+    def stage_indices(self, tensor, producers):
+        self.staged_after.append(tuple(producers))
+        return super().stage_indices(tensor, producers)
+
+
+async def test_index_values_wait_for_the_copys_producers_unless_indices_after_names_fewer(
+        tmp_path):
+    service, buffers = _service(tmp_path, engine=_RecordingStages)
+    async with service, asyncio.timeout(BOUND_S):
+        staged, loaded = await _staged_page(service, buffers, 41)
+        engine = service._engine
+        fence, made = threading.Event(), threading.Event()  # a fence on the pages; the indices'
+        made.set()
+        cases = [(None, (fence, made)), ([made], (made,)), ((), ())]
+        for indices_after, staged_after in cases:
+            load = service.prefetch(staged, torch.arange(5 * PAGE, 6 * PAGE),
+                                    after=[fence, made], indices_after=indices_after)
+            assert engine.staged_after[-1] == staged_after
+            await asyncio.sleep(0)
+            assert not load.done()  # the copy itself still waits for every producer in after=
+            fence.set()
+            await load
+            assert _same({n: [t[5:6] for t in b] for n, b in buffers.items()}, loaded)
+            fence.clear()
+        backup = service.evict(tokens([5]), after=fence, indices_after=())  # backups alike
+        assert engine.staged_after[-1] == ()
+        fence.set()
+        assert _backed_up_as(service, await backup, loaded)
+
+
+def test_index_values_wait_as_named_from_a_thread_without_a_loop(tmp_path):
+    from dsa_async.integrations.loop_thread import ServiceThread
+
+    geometry = dsa_indexer(num_layers=LAYERS)
+    config = ServiceConfig(geometries=(geometry,), host_pool=PoolSize(pages=8), backend="cpu",
+                           ledger_directory=str(tmp_path / "ledger"))
+    st = ServiceThread.start(config, make_buffers(geometry, DEVICE_PAGES, seed=3),
+                             engine_factory=_RecordingStages, stop_at_exit=False)
+    try:
+        service = st.service
+        handle = service.call_threadsafe(service.allocate_host_pages, 1).result(BOUND_S)
+        fence = threading.Event()
+        load = service.prefetch_threadsafe(handle, torch.arange(2 * PAGE, 3 * PAGE),
+                                           after=fence, indices_after=())
+        assert service._engine.staged_after[-1] == ()  # staged on this thread, at submit
+        assert not load.done()
+        fence.set()
+        load.wait(timeout_s=BOUND_S)
+    finally:
+        st.stop(BOUND_S)
+
+
+@pytest.mark.parametrize("indices_after", ["not a producer", [[threading.Event()]],
+                                           asyncio.Event(), "transfer"],
+                         ids=["str", "nested", "asyncio.Event", "Transfer"])
+async def test_indices_after_names_device_work_only_and_a_refusal_changes_nothing(
+        tmp_path, indices_after):
+    service, buffers = _service(tmp_path, engine=_RecordingStages)
+    async with service, asyncio.timeout(BOUND_S):
+        staged, _ = await _staged_page(service, buffers, 7)
+        if indices_after == "transfer":
+            indices_after = service.evict(tokens([3]))
+            await indices_after
+        before = service.statistics()
+        stages = len(service._engine.staged_after)
+        with pytest.raises(TypeError, match=r"indices_after=.*only its producers"):
+            service.prefetch(staged, torch.arange(5 * PAGE, 6 * PAGE),
+                             indices_after=indices_after)
+        assert service.statistics() == before
+        assert len(service._engine.staged_after) == stages
+
+
+async def test_indices_after_is_ignored_for_indices_read_at_submit(tmp_path):
+    service, buffers = _service(tmp_path, engine=CpuEngine)  # reads every tensor at submit
+    async with service, asyncio.timeout(BOUND_S):
+        staged, loaded = await _staged_page(service, buffers, 9)
+        for device_tokens in (torch.arange(4 * PAGE, 5 * PAGE), range(4 * PAGE, 5 * PAGE)):
+            await service.prefetch(staged, device_tokens, indices_after=())
+            assert _same({n: [t[4:5] for t in b] for n, b in buffers.items()}, loaded)

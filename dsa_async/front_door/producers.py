@@ -100,3 +100,28 @@ def parse_after(after: object, *, engine: TransferEngine, scheduler: object,
     if not (engine_items or deps or loop_items):
         return NO_PRODUCERS
     return Producers(tuple(engine_items), tuple(deps), tuple(loop_items))
+
+
+def parse_indices_after(indices_after: object, *, engine: TransferEngine
+                        ) -> tuple[object, ...] | None:
+    """What device index values the engine reads later wait for besides the submitting
+    thread's work so far (``indices_after=``): ``None`` (not given) means every producer the
+    copy waits for. Only engine producers (a CUDA event or stream: the work that computes index
+    values runs on the device) are accepted; raises ``ArgumentTypeError`` (changing nothing)
+    for anything else. Does not block; call it on the submitting thread."""
+    if indices_after is None:
+        return None
+    items = tuple(indices_after) if isinstance(indices_after, (list, tuple)) else (indices_after,)
+    normalized = []
+    for item in items:
+        try:
+            if isinstance(item, (list, tuple, Transfer, asyncio.Future, asyncio.Event)):
+                raise TypeError
+            normalized.append(engine.normalize_after(item))
+        except TypeError:
+            raise ArgumentTypeError(
+                f"indices_after={item!r}: the values of device indices are computed by device "
+                f"work, so only its producers can be named here; the {engine.backend.value} "
+                f"backend accepts {engine.producer_kinds}, or a flat list/tuple of them "
+                f"(an empty one: only the submitting thread's work so far)") from None
+    return tuple(normalized)

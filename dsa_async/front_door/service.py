@@ -63,7 +63,7 @@ from ..scheduling.scheduler import HostPressureCallback, Scheduler
 from ..transfer.base import FaultHook, TransferEngine, resolve_backend
 from ..transfer.buffers import DeviceBuffers, bind_pool, check_disjoint
 from ..transfer.handoff import LoopHandoff
-from .producers import NO_PRODUCERS, parse_after
+from .producers import NO_PRODUCERS, parse_after, parse_indices_after
 from .thread_submit import HostCheck, PostedRequest, ThreadInbox
 from .to_the_end import awaited_to_the_end, on_daemon_thread, to_thread_to_the_end
 
@@ -349,27 +349,30 @@ class OffloadService:
 
     # --- requests -------------------------------------------------------------------------
 
-    def evict(self, device_tokens, *, host_tokens=None, after=None, priority: int = 0) -> Transfer:
+    def evict(self, device_tokens, *, host_tokens=None, after=None, indices_after=None,
+              priority: int = 0) -> Transfer:
         """Back up the whole pages holding ``device_tokens`` (``int64 [n]``), in every pool.
 
         Without ``host_tokens`` the service picks host pages (in extents) and the result
         carries them (``Transfer.host_pages``). With ``host_tokens`` (same length, same in-page
         offsets) they must lie in pages from :meth:`allocate_host_pages`. The copy waits for
         the calling thread's work so far (CUDA: its current stream, captured here) and for every
-        producer in ``after`` (producers.py). Loop thread; does not block.
+        producer in ``after`` (producers.py). ``indices_after`` (see :meth:`prefetch`).
+        Loop thread; does not block.
         """
         scheduler = self._running_here("evict()", "use evict_threadsafe() there")
         try:
             transfer, loop_producers = self._prepare_evict(
                 scheduler, device_tokens, host_tokens, after, priority, self._captured,
-                on_loop=True)
+                on_loop=True, indices_after=indices_after)
             self._accept(scheduler, transfer._request, loop_producers)
         finally:
             self._inbox.end_loop_admission()
         return transfer
 
     def prefetch(self, host: HostPages | None, device_tokens, *, host_tokens=None, after=None,
-                 deadline_s: float | None = None, priority: int = 0) -> Transfer:
+                 indices_after=None, deadline_s: float | None = None,
+                 priority: int = 0) -> Transfer:
         """Load whole pages from the host into the device pages holding ``device_tokens``.
 
         ``host`` is a ``HostPages`` handle (its pages pair with the device pages in order) or
@@ -378,12 +381,20 @@ class OffloadService:
         far (CUDA: its current stream, captured here: kernels still reading the old pages) and
         every producer in ``after``. ``deadline_s``: seconds from now on the loop's clock;
         earlier deadlines, then larger ``priority``, go first. Loop thread; does not block.
+
+        ``indices_after``, for device indices the engine reads later (a CUDA tensor on the cuda
+        backend; ignored for indices read here): the device work their values wait for besides
+        this thread's work so far. By default that is everything the copy waits for. The engine
+        plans a copy from the values, so its issue waits for them on the CPU: when ``after``
+        holds fences that only order the copy (a forward pass still reading the old pages),
+        pass the producer of the indices alone, or ``()``, and the copy is planned at once
+        and waits for those fences on the device only.
         """
         scheduler = self._running_here("prefetch()", "use prefetch_threadsafe() there")
         try:
             transfer, loop_producers = self._prepare_prefetch(
                 scheduler, host, device_tokens, host_tokens, after, deadline_s, priority,
-                self._captured, on_loop=True)
+                self._captured, on_loop=True, indices_after=indices_after)
             self._accept(scheduler, transfer._request, loop_producers)
         finally:
             self._inbox.end_loop_admission()
@@ -392,7 +403,7 @@ class OffloadService:
     # --- requests from threads without an event loop --------------------------------------
 
     def evict_threadsafe(self, device_tokens, *, host_tokens=None, after=None,
-                         priority: int = 0) -> Transfer:
+                         indices_after=None, priority: int = 0) -> Transfer:
         """:meth:`evict` from a thread without an event loop; returns its ``Transfer`` at once.
 
         Validation, padding, ``after=`` and the capture of the calling thread's work (CUDA:
@@ -406,13 +417,14 @@ class OffloadService:
         """
         scheduler = self._running()
         transfer, loop_producers = self._prepare_evict(
-            scheduler, device_tokens, host_tokens, after, priority, _NOT_CAPTURED, on_loop=False)
+            scheduler, device_tokens, host_tokens, after, priority, _NOT_CAPTURED, on_loop=False,
+            indices_after=indices_after)
         check = HostCheck.NONE if host_tokens is None else HostCheck.ALLOCATED
         self._inbox.post(PostedRequest(transfer._request, loop_producers, check))
         return transfer
 
     def prefetch_threadsafe(self, host: HostPages | None, device_tokens, *, host_tokens=None,
-                            after=None, deadline_s: float | None = None,
+                            after=None, indices_after=None, deadline_s: float | None = None,
                             priority: int = 0) -> Transfer:
         """:meth:`prefetch` from a thread without an event loop, as :meth:`evict_threadsafe`.
 
@@ -425,7 +437,7 @@ class OffloadService:
         scheduler = self._running()
         transfer, loop_producers = self._prepare_prefetch(
             scheduler, host, device_tokens, host_tokens, after, deadline_s, priority,
-            _NOT_CAPTURED, on_loop=False)
+            _NOT_CAPTURED, on_loop=False, indices_after=indices_after)
         check = HostCheck.ALLOCATED if host is None else HostCheck.HANDLE
         self._inbox.post(PostedRequest(transfer._request, loop_producers, check, host))
         return transfer
@@ -485,8 +497,8 @@ class OffloadService:
     # --- the two halves of a submission ---------------------------------------------------
 
     def _prepare_evict(self, scheduler: Scheduler, device_tokens, host_tokens, after: object,
-                       priority: int, captured: object, *, on_loop: bool
-                       ) -> tuple[Transfer, tuple[object, ...]]:
+                       priority: int, captured: object, *, on_loop: bool,
+                       indices_after: object = None) -> tuple[Transfer, tuple[object, ...]]:
         """Validate and prepare an eviction (see :meth:`_prepare`). Any thread."""
         on_device = self._on_device(device_tokens)
         if host_tokens is None:
@@ -504,7 +516,8 @@ class OffloadService:
             host_pages = self._host_pages_for(on_device, host_tokens, on_loop)
             device_pages, padding, owns = _EMPTY, 0, False
         return self._prepare(scheduler, D2H, device_pages, host_pages, owns,
-                             after, priority, NO_DEADLINE, padding, captured, on_loop, on_device)
+                             after, priority, NO_DEADLINE, padding, captured, on_loop, on_device,
+                             indices_after)
 
     def _device_side(self, device_tokens, on_device: OnDevice | None
                      ) -> tuple[PageSeq, int, int]:
@@ -550,7 +563,7 @@ class OffloadService:
 
     def _prepare_prefetch(self, scheduler: Scheduler, host: HostPages | None, device_tokens,
                           host_tokens, after: object, deadline_s: float | None, priority: int,
-                          captured: object, *, on_loop: bool
+                          captured: object, *, on_loop: bool, indices_after: object = None
                           ) -> tuple[Transfer, tuple[object, ...]]:
         """Validate and prepare a prefetch (see :meth:`_prepare`). Any thread."""
         if host is not None and host_tokens is not None:
@@ -591,12 +604,14 @@ class OffloadService:
             # On a thread, seconds from submission: the loop's clock is read on the loop.
             deadline += self._loop.time()
         return self._prepare(scheduler, H2D, device_pages, host_pages, False,
-                             after, priority, deadline, padding, captured, on_loop, on_device)
+                             after, priority, deadline, padding, captured, on_loop, on_device,
+                             indices_after)
 
     def _prepare(self, scheduler: Scheduler, direction: Direction, device_pages: PageSeq,
                  host_pages: PageSeq | None, owns_host: bool, after: object, priority: int,
                  deadline: float, padding: int, captured: object, on_loop: bool,
-                 on_device: OnDevice | None = None) -> tuple[Transfer, tuple[object, ...]]:
+                 on_device: OnDevice | None = None, indices_after: object = None
+                 ) -> tuple[Transfer, tuple[object, ...]]:
         """The first half of a submission, on the submitting thread (the loop's or another):
         check the priority and the queue bound, parse ``after=``, capture the default
         producer, and build the request and its ``Transfer``; for device indices the engine
@@ -617,6 +632,7 @@ class OffloadService:
             raise ServiceClosedError("the service is closing or closed")
         producers = NO_PRODUCERS if after is None else parse_after(
             after, engine=engine, scheduler=scheduler, loop=self._loop)
+        index_producers = parse_indices_after(indices_after, engine=engine)
         if on_loop and producers.deps and any(dep.state is POSTED for dep in producers.deps):
             self._take_handoffs_first(scheduler, host_pages, owns_host)
         # Every copy also waits for the submitting thread's work so far (CUDA: its current
@@ -625,9 +641,13 @@ class OffloadService:
             captured = engine.capture_producer()
         engine_producers = producers.engine if captured is None else (captured, *producers.engine)
         if on_device is not None:  # the last step that can raise: nothing to undo after it
+            if index_producers is None:  # the values wait for whatever the copy waits for
+                index_producers = engine_producers
+            elif captured is not None:
+                index_producers = (captured, *index_producers)
             indices = DeviceIndices(
                 on_device.form, num_pages, self._page_size_tokens, self.device_pages,
-                "device_tokens", engine.stage_indices(on_device.tensor, engine_producers))
+                "device_tokens", engine.stage_indices(on_device.tensor, index_producers))
         future = self._loop.create_future()  # only built here; resolved on the loop
         request = Request(direction, device_pages, host_pages, owns_host, engine_producers,
                           priority, deadline, padding, num_pages * scheduler.bytes_per_page,

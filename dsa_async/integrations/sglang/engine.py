@@ -14,7 +14,8 @@ Fences: the controller makes ``device_to_host_stream`` / ``host_to_device_stream
 forward stream before it submits (``wait_stream``); here that stream becomes a producer of the
 next copy in that direction. The scheduler thread's current stream (captured at submit) and the
 load's ``start_event`` are producers too. On the CPU backend every producer has finished by the
-time the scheduler thread submits, so only the GPU forms are passed on.
+time the scheduler thread submits, so only the GPU forms are passed on. Device indices are read
+after the scheduler thread's current stream alone (``_INDICES_AFTER``).
 
 Completions offer ``query()``, ``synchronize()`` and ``elapsed_time()``. A copy that failed is
 fatal and loud: ``query()`` and ``synchronize()`` raise ``TransferFailedError`` (the cause
@@ -36,6 +37,14 @@ from ...completion.transfer import Transfer
 from ...errors import TransferFailedError
 
 log = logging.getLogger(__name__)
+
+
+#: What SGLang's device indices wait for besides the scheduler thread's current stream (where
+#: its allocator made them, after ``start_event`` too): nothing. The fences in ``after=`` (the
+#: forward stream) order the copy only; were the indices read after them, the engine could
+#: not issue a load until the previous forward pass ended, and ``wait_until`` in the next one
+#: would hold the scheduler thread until then (overlap scheduling lost).
+_INDICES_AFTER = ()
 
 
 class TransferCompletion(NamedTuple):
@@ -169,7 +178,8 @@ class ServiceTransferEngine:
             return done_completion()
         host, device = indices
         after = self.device_to_host_stream.take()
-        transfer = self.service.evict_threadsafe(device, host_tokens=host, after=after or None)
+        transfer = self.service.evict_threadsafe(device, host_tokens=host, after=after or None,
+                                                 indices_after=_INDICES_AFTER)
         return self._completion(transfer, "a device-to-host backup", started)
 
     def submit_host_to_device(self, transfers: Sequence[Any], *, transfer_layer_id_max: int,
@@ -193,7 +203,8 @@ class ServiceTransferEngine:
         if self._cuda and isinstance(start_event, torch.cuda.Event):
             after.append(start_event)
         transfer = self.service.prefetch_threadsafe(None, device, host_tokens=host,
-                                                    after=after or None)
+                                                    after=after or None,
+                                                    indices_after=_INDICES_AFTER)
         if slot is not None and hasattr(slot, "attach"):
             slot.attach(transfer)
         return self._completion(transfer, "a host-to-device load", started)
