@@ -434,6 +434,35 @@ def test_device_indices_written_by_a_kernel_still_queued_are_read_after_it(tmp_p
     run(main)
 
 
+def test_a_load_whose_indices_wait_for_less_than_its_fence_is_issued_before_the_fence_ends(
+        tmp_path):
+    # As the SGLang plug-in submits: the indices come from this thread's stream, the fence (a
+    # forward pass still using the target pages) is another stream. With indices_after=() the
+    # engine plans and issues the load at once; the copy still waits for the fence on the GPU.
+    buffers = device_buffers(4, 32)
+
+    async def main():
+        async with cuda_service(make_config(tmp_path), buffers) as service:
+            backup = await finished(service.evict(page_tokens([7, 3])))
+            torch.cuda.synchronize()
+            expected = buffers[:, [7, 3]].clone()
+            forward = torch.cuda.Stream()
+            targets = torch.tensor([20, 21], device=DEVICE)
+            with torch.cuda.stream(forward):
+                gpu_sleep(1.0)
+                buffers[:, [20, 21]] = 0  # the fence's last writes to the pages loaded into
+            load = service.prefetch(backup.host_pages, Pages(targets), after=forward,
+                                    indices_after=())
+            started = time.perf_counter()
+            await asyncio.to_thread(load.wait_layer, 0)  # CUDA: returns once layer 0 is issued
+            assert time.perf_counter() - started < 0.5, "the issue waited for the fence"
+            await finished(load)
+            torch.cuda.synchronize()
+            assert torch.equal(buffers[:, [20, 21]], expected)  # written after the fence
+
+    run(main)
+
+
 def test_bad_device_indices_on_the_gpu_fail_that_transfer(tmp_path):
     from dsa_async.errors import IndexValueError, TransferFailedError
 
