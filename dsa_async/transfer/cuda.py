@@ -570,6 +570,7 @@ class CudaEngine(TransferEngine):
         error = progress.error
         duration_s = 0.0
         completed = False
+
         def reached(layers: int) -> None:
             for callback in handle.mark_ready(layers):
                 self.handoff.post(callback)  # per-layer readiness reaches the loop now

@@ -7,7 +7,8 @@ page-locks those bytes where they lie with ``cudaHostRegister`` and unregisters 
 Chunks and alignment. ``[ptr, ptr + nbytes)`` is registered exactly, as a series of chunks
 (1 GiB by default, so no single driver call pins an unbounded range). The first chunk starts at
 ``ptr`` whatever its alignment and the last one ends at ``ptr + nbytes``; every boundary in
-between is a multiple of the host page size (4 KiB), so two chunks never share a page. A
+between is a multiple of the host page size (``resource.getpagesize()``: 4 KiB on most x86
+hosts, 64 KiB on many aarch64 ones), so two chunks never share a page. A
 registration covers the whole pages it touches; a partial page at either end of the arena may
 therefore be shared with a neighbouring allocation. If that neighbour is itself registered, the
 driver refuses the chunk as already registered: the chunk is then retried without its partial
@@ -17,7 +18,7 @@ Copies and registration edges. One ``cudaMemcpyAsync`` must stay inside one regi
 driver does not stitch two registrations together, it refuses such a range
 (``cudaErrorInvalidValue``) or treats it as pageable memory, and a pageable device-to-host copy
 blocks the issuing thread until it is done. Chunk edges fall anywhere inside a page row (rows
-are not 4 KiB multiples), so moving the edges cannot avoid this for multi-page runs; instead
+are not host-page multiples), so moving the edges cannot avoid this for multi-page runs; instead
 :meth:`HostPinning.registration_map` gives the copy code every edge and it splits each host
 range there (``registrations.RegistrationMap.split``). Chunks are registered with
 ``cudaHostRegisterMapped`` too, so gather/scatter kernels can reach the arena through unified
@@ -25,8 +26,10 @@ addressing (``mapped``); those have no edge limit.
 
 Locked-memory limit. The CUDA driver pins registered memory itself; as far as known (not
 measured here) it does not count ``cudaHostRegister`` against ``RLIMIT_MEMLOCK``, so refusals
-print the limit for reference only and do not advise raising it. A refusal means host memory
-or the driver's own limits ran out: make the pool smaller.
+print the limit for reference only and do not advise raising it. A refusal for memory means
+host memory or the driver's own limits ran out: make the pool smaller. Any other refusal (the
+device or system not allowing registration in place, e.g. ``cudaErrorNotSupported``) says so
+and that a smaller pool will not help.
 
 Error isolation. A failed CUDA runtime call also leaves its code as the calling thread's "last
 error", which PyTorch's next kernel-launch check on that thread would report as its own failure.

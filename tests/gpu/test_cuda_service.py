@@ -403,9 +403,12 @@ def test_layer_counts_late_only_when_the_consumers_stream_waited(tmp_path):
 # --- device indices on the GPU ------------------------------------------------------------------
 
 
-def test_device_indices_written_by_a_kernel_still_queued_are_read_after_it(tmp_path):
+@pytest.mark.parametrize("indices_after", [None, ()], ids=["default", "this_stream_only"])
+def test_device_indices_written_by_a_kernel_still_queued_are_read_after_it(tmp_path,
+                                                                          indices_after):
     # The indices are produced on the caller's stream behind a long kernel; submit returns at
-    # once and the copy reads the indices (and the pages) only after that kernel.
+    # once and the copy reads the indices (and the pages) only after that kernel, also when
+    # indices_after= names nothing (the submitting thread's current stream always counts).
     buffers = device_buffers(4, 32)
 
     async def main():
@@ -417,7 +420,7 @@ def test_device_indices_written_by_a_kernel_still_queued_are_read_after_it(tmp_p
             gpu_sleep(0.5)
             indices.copy_(source)  # a device-to-device copy queued behind the sleep
             submitted_from = time.perf_counter()
-            backup = service.evict(indices)
+            backup = service.evict(indices, indices_after=indices_after)
             assert time.perf_counter() - submitted_from < 0.25, "submit waited for the kernel"
             result = await finished(backup)
             host = torch.as_tensor(result.host_pages.pages)

@@ -43,7 +43,10 @@ log = logging.getLogger(__name__)
 #: its allocator made them, after ``start_event`` too): nothing. The fences in ``after=`` (the
 #: forward stream) order the copy only; were the indices read after them, the engine could
 #: not issue a load until the previous forward pass ended, and ``wait_until`` in the next one
-#: would hold the scheduler thread until then (overlap scheduling lost).
+#: would hold the scheduler thread until then. SGLang 0.5.23 itself makes its schedule stream
+#: wait for the whole previous pass after a prefill (``_apply_war_barrier`` without a finer
+#: event), so there the load still waits for it; after a decode replayed from a CUDA graph
+#: (which publishes an earlier event) it no longer does.
 _INDICES_AFTER = ()
 
 

@@ -4,9 +4,10 @@ producer slot following one service prefetch layer by layer.
 SGLang keeps a ring of 3 producer slots. ``start_loading`` takes the next one
 (``update_producer``: SGLang's asserts the slot's last load finished; this one waits for the
 service to have seen it end, see there), records its ``start_event`` on the scheduler
-thread's stream, and submits the load with the slot's ``complete`` as ``on_layer_done``; the transfer engine (engine.py) attaches the service's
-``Transfer`` to that slot. A forward batch names its slot (``set_consumer``) and the device
-pool's getters call ``wait_until(layer)`` before reading a layer: here that is
+thread's stream, and submits the load with the slot's ``complete`` as ``on_layer_done``; the
+transfer engine (engine.py) attaches the service's ``Transfer`` to that slot. A forward batch
+names its slot (``set_consumer``) and the device pool's getters call ``wait_until(layer)``
+before reading a layer: here that is
 ``Transfer.wait_layer(layer)``, a GPU-side wait of the current stream on the layer's copy on
 CUDA (the CPU never blocks on the copy), a blocking wait for the copied layer on CPU.
 """

@@ -108,12 +108,24 @@ def _problems(kvcache: Any, params: Any, memory: Any, storage_backend: str | Non
 
 def _asks_for_interface_v1(memory: Any) -> bool:
     """Whether a ``dynamic`` backend's extra config selects SGLang's zero-copy interface
-    (``interface_v1``), read as SGLang reads it (``cache_controller.py``)."""
+    (``interface_v1``, ``cache_controller.py``), the config read as SGLang reads it."""
     text = getattr(memory, "hicache_storage_backend_extra_config", None)
     if not text:
         return False
     try:
-        config = json.loads(text)
-    except ValueError:
-        return False  # SGLang refuses a malformed config itself
+        config = _extra_config(text)
+    except Exception:  # noqa: BLE001 - SGLang refuses a config it cannot read itself
+        return False
     return isinstance(config, dict) and bool(config.get("interface_v1", 0))
+
+
+def _extra_config(text: str) -> object:
+    """``--hicache-storage-backend-extra-config``: inline JSON, or ``@path`` to a JSON, TOML or
+    YAML file, parsed by SGLang's own reader (inline JSON only where SGLang is absent)."""
+    try:
+        from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import (
+            HybridCacheController,
+        )
+    except ImportError:
+        return json.loads(text)
+    return HybridCacheController.parse_storage_backend_extra_config(text)[0]

@@ -253,12 +253,21 @@ def test_a_raw_address_backend_is_refused_with_layer_first(dsa_hicache, caplog, 
     watch.assert_nothing_allocated()
 
 
+@pytest.mark.parametrize("given", ["inline", "json_file", "toml_file"])
 def test_a_dynamic_backend_on_sglangs_zero_copy_interface_is_refused_with_layer_first(
-        dsa_hicache, caplog, watch):
+        dsa_hicache, caplog, watch, tmp_path, given):
+    # SGLang reads the extra config inline or from a file named with @ (its own parser)
+    extra = '{"interface_v1": 1}'
+    if given == "json_file":
+        (tmp_path / "extra.json").write_text(extra)
+        extra = f"@{tmp_path / 'extra.json'}"
+    elif given == "toml_file":
+        (tmp_path / "extra.toml").write_text("interface_v1 = 1\n")
+        extra = f"@{tmp_path / 'extra.toml'}"
     message = refused_by_sglangs_build(
         dsa_hicache, caplog, mem_layout="layer_first", io_backend="direct",
         storage_backend="dynamic",
-        extra_server_args={"hicache_storage_backend_extra_config": '{"interface_v1": 1}'})
+        extra_server_args={"hicache_storage_backend_extra_config": extra})
     assert "--hicache-storage-backend dynamic with interface_v1 reads and writes" in message
     watch.assert_nothing_allocated()
 
