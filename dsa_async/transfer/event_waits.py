@@ -4,8 +4,9 @@ round trip per layer.
 ``torch.cuda.Event.synchronize()`` lets go of the GIL while it waits and ``query()`` keeps it.
 A thread that lets go of the GIL waits to get it back for as long as another thread runs Python
 (up to ``sys.getswitchinterval()``, 5 ms by default): in a server whose scheduler thread is
-busy in Python, synchronizing each of 61 layer events one after another cost up to ~300 ms per
-batch once the copy had already ended, and everything that follows a batch's end (its requests'
+busy in Python, synchronizing each of 61 layer events one after another could cost up to 61
+such waits per batch after its copy had ended (61 let-gos against a thread busy in Python took
+318 ms in a CPU simulation), and everything that follows a batch's end (its requests'
 completion, the pages it frees, a consumer slot SGLang checks) lagged by that. Here the events
 already complete are found with ``query()`` and counted at once, and the thread lets go of the
 GIL only to wait for an event the device has not reached.
