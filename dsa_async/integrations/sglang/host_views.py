@@ -44,6 +44,7 @@ class ArenaViews:
         self.kvcache = kvcache
         self.num_layers = int(kvcache.layer_num)
         self.page_tokens = int(kvcache.page_size)
+        self.mem_layout = mem_layout  #: SGLang's --hicache-mem-layout
         self.layout = HostLayout.LAYER_FIRST if mem_layout == "layer_first" else (
             HostLayout.PAGE_FIRST)
         first_kv = kvcache.kv_buffer[0]

@@ -74,22 +74,12 @@ def _problems(kvcache: Any, params: Any, memory: Any, storage_backend: str | Non
                "default mode")
     # Before the layout: these backends make SGLang rewrite the layout the user passed.
     backend = storage_backend or getattr(memory, "hicache_storage_backend", None)
-    if backend in _OWN_ALLOCATOR_BACKENDS or host_allocator in _OWN_ALLOCATOR_BACKENDS:
-        how = backend if backend in _OWN_ALLOCATOR_BACKENDS else (
-            f"{backend} (with a {host_allocator} allocator in its extra config)")
-        yield (f"--hicache-storage-backend {how} allocates the host memory itself (and "
-               f"forces its own layout); use file, hf3fs, nixl (with --hicache-mem-layout "
-               f"page_first_direct) or no storage backend")
     layout = getattr(memory, "hicache_mem_layout", None)
-    if layout == "layer_first" and (backend in _RAW_POINTER_BACKENDS or (
-            backend == "dynamic" and _asks_for_interface_v1(memory))):
-        which = backend if backend != "dynamic" else "dynamic with interface_v1"
-        yield (f"--hicache-storage-backend {which} reads and writes host pages through raw "
-               f"addresses that SGLang computes for a layer_first KV buffer of exactly the KV "
-               f"pool's pages, and the service's KV view there spans the indexer's page count "
-               f"per layer (one page more), so every layer after the first would be read from "
-               f"and written to the wrong pages; use --hicache-mem-layout page_first_direct "
-               f"with this backend")
+    problem = storage_backend_problem(
+        backend, layout, _extra_config_of(memory) if backend == "dynamic" else {},
+        host_allocator=host_allocator)
+    if problem is not None:
+        yield problem
     if layout not in SUPPORTED_MEM_LAYOUTS:
         yield (f"--hicache-mem-layout {layout} is not supported: the service's host pages are "
                f"block-split per layer, which SGLang's {' and '.join(SUPPORTED_MEM_LAYOUTS)} "
@@ -106,17 +96,45 @@ def _problems(kvcache: Any, params: Any, memory: Any, storage_backend: str | Non
         yield "attention context parallelism (--attn-cp-size > 1) is not supported"
 
 
-def _asks_for_interface_v1(memory: Any) -> bool:
-    """Whether a ``dynamic`` backend's extra config selects SGLang's zero-copy interface
-    (``interface_v1``, ``cache_controller.py``), the config read as SGLang reads it."""
+def storage_backend_problem(backend: str | None, layout: str | None, extra_config: Any, *,
+                            host_allocator: str | None = None) -> str | None:
+    """Why the plug-in cannot serve storage backend ``backend`` with host layout ``layout``
+    (``None``: it can), checked when SGLang builds the cache and when a backend is attached at
+    runtime. ``extra_config``: the backend's extra config, parsed (a dict); ``host_allocator``:
+    SGLang's ``get_allocator_type()`` where known, else read from ``extra_config``."""
+    if not isinstance(extra_config, dict):
+        extra_config = {}
+    if host_allocator is None and backend == "dynamic" and extra_config.get("allocator") == "shm":
+        host_allocator = "shm"
+    if backend in _OWN_ALLOCATOR_BACKENDS or host_allocator in _OWN_ALLOCATOR_BACKENDS:
+        how = backend if backend in _OWN_ALLOCATOR_BACKENDS else (
+            f"{backend} (with a {host_allocator} allocator in its extra config)")
+        return (f"--hicache-storage-backend {how} allocates the host memory itself (and "
+                f"forces its own layout); use file, hf3fs, nixl (with --hicache-mem-layout "
+                f"page_first_direct) or no storage backend")
+    if layout == "layer_first" and (backend in _RAW_POINTER_BACKENDS or (
+            backend == "dynamic" and bool(extra_config.get("interface_v1", 0)))):
+        which = backend if backend != "dynamic" else "dynamic with interface_v1"
+        return (f"--hicache-storage-backend {which} reads and writes host pages through raw "
+                f"addresses that SGLang computes for a layer_first KV buffer of exactly the KV "
+                f"pool's pages, and the service's KV view there spans the indexer's page count "
+                f"per layer (one page more), so every layer after the first would be read from "
+                f"and written to the wrong pages; use --hicache-mem-layout page_first_direct "
+                f"with this backend")
+    return None
+
+
+def _extra_config_of(memory: Any) -> dict:
+    """The storage backend's extra config as SGLang reads it (``{}`` when absent or when
+    SGLang could not read it either: SGLang refuses such a config itself)."""
     text = getattr(memory, "hicache_storage_backend_extra_config", None)
     if not text:
-        return False
+        return {}
     try:
         config = _extra_config(text)
     except Exception:  # noqa: BLE001 - SGLang refuses a config it cannot read itself
-        return False
-    return isinstance(config, dict) and bool(config.get("interface_v1", 0))
+        return {}
+    return config if isinstance(config, dict) else {}
 
 
 def _extra_config(text: str) -> object:

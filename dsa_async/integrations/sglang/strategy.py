@@ -37,7 +37,7 @@ from .engine import ServiceTransferEngine
 from .host_views import INDEXER, KV, ArenaViews
 from .layer_counter import ServiceLayerCounter
 from .opt_in import opted_in
-from .refusals import check_supported
+from .refusals import check_supported, storage_backend_problem
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +124,22 @@ class DsaAsyncStrategy(_DsaStrategy):
                 f"by the service; run without speculative decoding or unset DSA_ASYNC_SGLANG")
 
         controller.register_host_pool_entry = register_host_pool_entry
+        attach = controller.attach_storage_backend
+        layout = views.mem_layout
+
+        def attach_served(*args: Any, **kwargs: Any) -> Any:
+            # SGLang's runtime attach (its admin endpoint) skips the build's refusals; it
+            # reports what this raises as a failed attach, with nothing attached.
+            backend = kwargs.get("storage_backend", args[0] if args else None)
+            problem = storage_backend_problem(
+                backend, layout, kwargs.get("storage_backend_extra_config"))
+            if problem is not None:
+                raise UnsupportedSettingError(
+                    f"dsa_async SGLang plug-in: {problem}; attach another backend, or restart "
+                    f"without DSA_ASYNC_SGLANG to let SGLang build its own cache")
+            return attach(*args, **kwargs)
+
+        controller.attach_storage_backend = attach_served
         destroy = group.destroy
 
         def destroy_then_stop() -> None:

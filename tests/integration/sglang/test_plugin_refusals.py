@@ -496,3 +496,21 @@ def test_sglangs_plugin_loading_registers_one_strategy_when_opted_in():
     ours = [s for s in hybrid_pool_assembler._STRATEGIES if isinstance(s, DsaAsyncStrategy)]
     assert len(ours) == 1
     assert hybrid_pool_assembler._STRATEGIES[0] is ours[0]
+
+
+# --- a storage backend attached at runtime (SGLang's admin endpoint) ----------------------------
+
+
+@pytest.mark.parametrize(("mem_layout", "backend", "extra", "says"), [
+    ("layer_first", "seaweedfs", None, "--hicache-storage-backend seaweedfs reads and writes"),
+    ("layer_first", "dynamic", '{"interface_v1": 1}', "dynamic with interface_v1 reads"),
+    ("page_first_direct", "mooncake", None, "mooncake allocates the host memory itself"),
+    ("page_first_direct", "dynamic", '{"allocator": "shm"}', "with a shm allocator"),
+])
+def test_a_backend_attached_at_runtime_meets_the_same_refusals(dsa_hicache, mem_layout, backend,
+                                                                extra, says):
+    cache = dsa_hicache(num_layers=3, mem_layout=mem_layout, io_backend="direct", env=OPT_IN)
+    ok, message = cache.tree_cache.attach_storage_backend(
+        storage_backend=backend, storage_backend_extra_config_json=extra)
+    assert not ok and says in message and "dsa_async SGLang plug-in" in message
+    assert not cache.controller.enable_storage  # nothing attached
