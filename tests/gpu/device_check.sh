@@ -27,8 +27,11 @@ say "== gpu tests (engine, page-locking, and the service on cuda: tests/gpu/test
 [ -f tests/gpu/test_cuda_service.py ] || say "MISSING tests/gpu/test_cuda_service.py"
 # No asyncio plugin is needed by these tests; keep the run independent of the plugin's
 # ini options (strict config would reject them when the plugin is missing).
-timeout 240 python -m pytest -m gpu -q -rfEs -p no:cacheprovider -o addopts="" \
-    -W "ignore::pytest.PytestConfigWarning" tests/gpu >"$OUT_DIR/gpu_tests.log" 2>&1
+# SIGINT on time-out, so pytest still prints its summary (what failed, and where it hung:
+# faulthandler dumps every thread of a test stuck for 100 s).
+timeout -s INT -k 15 240 python -m pytest -m gpu -q -rfEs -p no:cacheprovider -o addopts="" \
+    -o faulthandler_timeout=100 -W "ignore::pytest.PytestConfigWarning" tests/gpu \
+    >"$OUT_DIR/gpu_tests.log" 2>&1
 tests_rc=$?
 cat "$OUT_DIR/gpu_tests.log" >>"$LOG"
 grep -E '^(FAILED|ERROR)|passed|failed|error|skipped' "$OUT_DIR/gpu_tests.log" | tail -n 25

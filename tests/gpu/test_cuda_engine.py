@@ -314,6 +314,7 @@ def test_layers_become_ready_in_order_and_copies_overlap_the_consumer():
                                               for i in range(layers)]
             result["next_ready_before_end_ms"] = [events[i + 1].elapsed_time(ends[i])
                                                   for i in range(layers - 1)]
+            result["last_ready_after_first_start_ms"] = starts[0].elapsed_time(events[-1])
             result["copy_ms_per_layer"] = handle.duration_s * 1e3 / layers
 
     run(main)
@@ -325,6 +326,8 @@ def test_layers_become_ready_in_order_and_copies_overlap_the_consumer():
     # Overlap: layer i+1 had landed before the consumer of layer i ended (copy ran meanwhile).
     overlapped = sum(gap > 0 for gap in result["next_ready_before_end_ms"])
     assert overlapped >= layers - 2, result
+    # ...and the copy was still running when the first consumer started (not all landed first)
+    assert result["last_ready_after_first_start_ms"] > 0, result
 
 
 # --- both directions at once --------------------------------------------------------------------

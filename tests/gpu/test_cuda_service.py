@@ -49,12 +49,12 @@ def run(main):
 def cycles_per_second() -> float:
     """``torch.cuda._sleep`` cycles per second on this device (measured once)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(1_000)  # warm-up
+    torch.cuda._sleep(50_000_000)  # warm-up, long enough for the clocks to ramp up
     start.record()
-    torch.cuda._sleep(20_000_000)
+    torch.cuda._sleep(100_000_000)
     end.record()
     end.synchronize()
-    return 20_000_000 / (start.elapsed_time(end) / 1e3)
+    return 100_000_000 / (start.elapsed_time(end) / 1e3)
 
 
 def gpu_sleep(seconds: float) -> None:
@@ -424,7 +424,7 @@ def test_device_indices_written_by_a_kernel_still_queued_are_read_after_it(tmp_p
             assert time.perf_counter() - submitted_from < 0.25, "submit waited for the kernel"
             result = await finished(backup)
             host = torch.as_tensor(result.host_pages.pages)
-            arena = service.host_pool.arenas["dsa_indexer"]
+            arena = service.host_pool.arenas[dsa_indexer().name]
             torch.cuda.synchronize()
             for layer in range(4):
                 assert torch.equal(arena[layer][host], buffers[layer, [7, 3]].cpu())
@@ -453,7 +453,10 @@ def test_a_load_whose_indices_wait_for_less_than_its_fence_is_issued_before_the_
             targets = torch.tensor([20, 21], device=DEVICE)
             with torch.cuda.stream(forward):
                 gpu_sleep(1.0)
-                buffers[:, [20, 21]] = 0  # the fence's last writes to the pages loaded into
+                # the fence's last writes to the pages loaded into (an index tensor already on
+                # the device: a list index would copy from pageable memory and block this
+                # thread until the sleep ended, so the fence would be over at submit)
+                buffers.index_fill_(1, targets, 0)
             load = service.prefetch(backup.host_pages, Pages(targets), after=forward,
                                     indices_after=())
             started = time.perf_counter()

@@ -82,7 +82,9 @@ def test_every_pool_arena_is_locked_once():
     pool = HostPool.create([dsa_indexer(num_layers=3), mla_kv(num_layers=3)], 11)
     engine = make_engine(pool)
     try:
-        assert engine.pinned_bytes == sum(a.nbytes for a in pool.arenas.values())
+        # (a partial end page another arena's registration already holds stays pageable)
+        edges = engine._pinning.pageable_edge_bytes
+        assert engine.pinned_bytes + edges == sum(a.nbytes for a in pool.arenas.values())
     finally:
         engine.close()
 
@@ -152,9 +154,9 @@ def test_neighbours_sharing_a_page_are_both_locked_or_trimmed_not_refused():
     assert kernel_runs_cleanly()
 
 
-def test_refused_registration_names_bytes_and_memlock_limit_and_leaves_no_error_behind():
+def test_refused_registration_names_the_bytes_and_leaves_no_error_behind():
     pinning = HostPinning(DEVICE)
-    with pytest.raises(HostBudgetExceeded, match="RLIMIT_MEMLOCK") as info:
+    with pytest.raises(HostBudgetExceeded, match="cudaHostRegister refused") as info:
         pinning.register(HOST_PAGE_BYTES, 2 * HOST_PAGE_BYTES, "unmapped range")  # never mapped
     assert "8,192 B" in str(info.value) and "unmapped range" in str(info.value)
     assert pinning.pinned_bytes == 0
