@@ -297,16 +297,31 @@ class Driver:
             values = values + self.rng.choice([1, PAGE // 2])
         return values
 
-    def _device_index(self, pages: list[int], after, form: str, *, bad: bool) -> object:
-        """Device indices the engine reads after the producers: a tensor of every token of each
-        page (in this order), or ``Pages`` of one. When ``after`` holds gates, the tensor may
-        hold other values until just before the first of them fires."""
+    def _indices_after(self, after) -> tuple[object, list]:
+        """``indices_after=`` for a deferred request (``None``: the default, every producer of
+        ``after``), and the gates that may produce its values: all of ``after``'s by default;
+        those named when some are (the engine's kinds only); none for ``()`` (the values are
+        final at submit)."""
+        gates = self._gates_in(after)
+        draw = self.rng.random()
+        if draw < 0.6:
+            return None, gates
+        named = [g for g in gates if isinstance(g, (threading.Event, concurrent.futures.Future))]
+        if named and draw < 0.85:
+            self.count("indices-after-named")
+            return named, named
+        self.count("indices-after-empty")
+        return (), []
+
+    def _device_index(self, pages: list[int], gates: list, form: str, *, bad: bool) -> object:
+        """Device indices the engine reads after their producers: a tensor of every token of
+        each page (in this order), or ``Pages`` of one. With ``gates`` (producers of the values,
+        not fired yet) the tensor may hold other values until just before the first fires."""
         values = np.asarray(pages, dtype=np.int64)
         values = self._spoil(values, form) if bad else (
             values if form == "pages" else _all_tokens(values))
         dtype = self.rng.choice([torch.int64, torch.int32])
         tensor = torch.from_numpy(values).to(dtype)
-        gates = self._gates_in(after)
         if gates and self.rng.random() < 0.7:
             final = tensor.clone()
             if self.rng.random() < 0.5:
@@ -351,8 +366,10 @@ class Driver:
         if self._deferred():
             bad = self.rng.random() < BAD_SHARE
             after = self._after_deferred()
+            indices_after, gates = self._indices_after(after)
             form = self.rng.choice(["tokens", "tokens", "pages"])
-            t = self.s.evict(self._device_index(pages, after, form, bad=bad), after=after)
+            t = self.s.evict(self._device_index(pages, gates, form, bad=bad), after=after,
+                             indices_after=indices_after)
             self.log.append(Op(t, "auto", set() if bad else {("d", p) for p in pages}, set(),
                                snapshot={p: self.read(("d", p)) for p in pages},
                                device_pages=np.array(pages), deferred=True, bad=bad,
@@ -383,10 +400,11 @@ class Driver:
         if deferred:
             bad = self.rng.random() < BAD_SHARE
             after = self._after_deferred()
+            indices_after, gates = self._indices_after(after)
             form = self.rng.choice(["tokens", "tokens", "pages"])
-            t = self.s.evict(self._device_index(dev, after, form, bad=bad),
+            t = self.s.evict(self._device_index(dev, gates, form, bad=bad),
                              host_tokens=self._host_index(host, form), after=after,
-                             priority=self.rng.choice([0, 0, 1]))
+                             indices_after=indices_after, priority=self.rng.choice([0, 0, 1]))
         else:
             bad = False
             offsets = [self.rng.randrange(PAGE) for _ in host]
@@ -422,7 +440,8 @@ class Driver:
         whole = host == handle.pages.tolist() and self.rng.random() < 0.5
         if deferred:
             form = self.rng.choice(["tokens", "tokens", "pages"])
-            device = self._device_index(dev, order["after"], form, bad=bad)
+            order["indices_after"], gates = self._indices_after(order["after"])
+            device = self._device_index(dev, gates, form, bad=bad)
             if whole:
                 t = self.s.prefetch(handle, device, **order)
             else:
@@ -650,6 +669,7 @@ async def test_random_operations_match_the_reference_model(tmp_path, seed):
 
             assert total("deferred-", "-done") and total("read-now-"), driver.counts
             assert total("bad-", "-refused") and total("late-values"), driver.counts
+            assert total("indices-after-named") and total("indices-after-empty"), driver.counts
         print(f"seed {seed}: {STEPS} steps, {checkpoints} checkpoints, {driver.counts}, "
               f"{len(driver.tainted)} pages unknown at the end")
     assert HostLedger(tmp_path / "ledger").entries() == ()
