@@ -632,7 +632,8 @@ class OffloadService:
             raise ServiceClosedError("the service is closing or closed")
         producers = NO_PRODUCERS if after is None else parse_after(
             after, engine=engine, scheduler=scheduler, loop=self._loop)
-        index_producers = parse_indices_after(indices_after, engine=engine)
+        index_producers = None if indices_after is None else parse_indices_after(
+            indices_after, engine=engine)
         if on_loop and producers.deps and any(dep.state is POSTED for dep in producers.deps):
             self._take_handoffs_first(scheduler, host_pages, owns_host)
         # Every copy also waits for the submitting thread's work so far (CUDA: its current
