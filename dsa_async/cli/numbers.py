@@ -74,11 +74,11 @@ def positive_seconds(text: str) -> float:
 
 def _gb_to_bytes(text: str, *, allow_zero: bool) -> int:
     gb = _float(text, "a number of GB")
-    if not math.isfinite(gb * GB_BYTES) or gb < 0 or (gb == 0 and not allow_zero):
+    if gb < 0 or (gb == 0 and not allow_zero):
         raise argparse.ArgumentTypeError(
             f"{shown(text)} must be a finite number {'>=' if allow_zero else '>'} 0 (of GB)")
-    nbytes = round(gb * GB_BYTES)
-    if nbytes > INT64_MAX:
+    nbytes = gb * GB_BYTES  # finite GB can still overflow to inf bytes (1e300 GB)
+    if not math.isfinite(nbytes) or (nbytes := round(nbytes)) > INT64_MAX:
         raise argparse.ArgumentTypeError(
             f"{shown(text)} GB is beyond 64 bits of bytes; use at most "
             f"{INT64_MAX // GB_BYTES:,} GB")
