@@ -5,8 +5,10 @@ statistics are the same before and after."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import threading
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -162,12 +164,35 @@ def _released(service, host):
     return release
 
 
+#: Tensors of the right size whose memory torch cannot see as raw bytes (a quantized one
+#: could crash the process when viewed so); each must be a ConfigError at start.
+_OPAQUE_BUFFERS = {
+    "quantized": lambda pages, row: torch.quantize_per_tensor(
+        torch.zeros(pages, row), 1.0, 0, torch.quint8),
+    "conjugated": lambda pages, row: torch.zeros(pages, row // 8, dtype=torch.complex64).conj(),
+    "negated": lambda pages, row: torch.zeros(pages, row // 8, dtype=torch.int64)._neg_view(),
+    "nested": lambda pages, row: torch.nested.nested_tensor(
+        [torch.zeros(row, dtype=torch.uint8)] * pages),
+    "sparse": lambda pages, row: torch.zeros(pages, row, dtype=torch.uint8).to_sparse(),
+}
+
+
 async def _start_with(ctx, *, device: str = "cpu", pages: int = 2, shared: str = ""):
     geometry = dsa_indexer(num_layers=2)
     buffers = [torch.zeros(pages, geometry.bytes_per_page_per_layer, dtype=torch.uint8,
                            device=device) for _ in range(2)]
     if shared == "same-tensor":  # one tensor passed for every layer
         buffers = [buffers[0]] * 2
+    elif shared in _OPAQUE_BUFFERS:  # memory that is not the elements, densely
+        with warnings.catch_warnings():  # quantized and nested tensors warn when made
+            warnings.simplefilter("ignore")
+            buffers = [_OPAQUE_BUFFERS[shared](pages, geometry.bytes_per_page_per_layer)
+                       for _ in range(2)]
+    elif shared == "quantized-3d":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            buffers = _OPAQUE_BUFFERS["quantized"](2 * pages, geometry.bytes_per_page_per_layer
+                                                   ).view(2, pages, -1)
     elif shared == "overlapping-views":  # views of one allocation one page apart, 2 pages long
         whole = torch.zeros(pages + 1, geometry.bytes_per_page_per_layer, dtype=torch.uint8)
         buffers = [whole[:pages], whole[1:]]
@@ -363,6 +388,13 @@ CASES = [
     Case("config-overlapping-layer-views",
          lambda ctx: _start_with(ctx, shared="overlapping-views"), ConfigError,
          ("layer 0", "layer 1", "share 8,448 B", "not the same tensor twice"), service=False),
+    *(Case(f"config-{kind}-device-buffers",
+           functools.partial(lambda ctx, kind: _start_with(ctx, shared=kind), kind=kind),
+           ConfigError, ("layer 0" if kind != "quantized-3d" else "the device tensor", fragment),
+           service=False)
+      for kind, fragment in (("quantized", "quantized tensor"), ("quantized-3d", "quantized"),
+                             ("conjugated", "lazily conjugated"), ("negated", "lazily negated"),
+                             ("nested", "nested tensor"), ("sparse", "sparse_coo tensor"))),
     Case("config-model", lambda ctx: model_pools("llama"), ConfigError,
          ("'llama'", "deepseek-v3.2"), service=False),
     Case("config-kv-dtype", lambda ctx: mla_kv("fp4"), ConfigError,

@@ -24,11 +24,33 @@ from ..geometry import HostLayout, PageGeometry
 DeviceBuffers = torch.Tensor | Sequence[torch.Tensor]
 
 
+def _check_plain_memory(t: torch.Tensor, what: str) -> None:
+    """Refuse a tensor whose memory is not its elements laid out densely: a quantized,
+    sparse, nested or other non-strided tensor, or a lazily conjugated / negated view (its
+    bytes are not the values it reads as). torch cannot view those as raw bytes; a quantized
+    one may even crash the process on the attempt, so nothing touches its memory first."""
+    if t.is_quantized:
+        raise ConfigError(
+            f"{what} is a quantized tensor ({t.dtype}); device buffers are copied as raw bytes: "
+            f"pass the tensor holding its integer values (e.g. .int_repr() of it, kept alive "
+            f"as the buffer the server writes)")
+    if t.is_nested or t.layout is not torch.strided:
+        kind = "nested" if t.is_nested else str(t.layout)
+        raise ConfigError(
+            f"{what} is a {kind} tensor; device buffers must be dense (torch.strided) "
+            f"tensors whose memory holds the pages")
+    if t.is_conj() or t.is_neg():
+        raise ConfigError(
+            f"{what} is a lazily {'conjugated' if t.is_conj() else 'negated'} view; its bytes "
+            f"are not the values it reads as: pass the tensor it is a view of")
+
+
 def _as_page_rows(t: torch.Tensor, geometry: PageGeometry, what: str) -> torch.Tensor:
     """View one layer's tensor as ``uint8 [pages, bytes_per_page_per_layer]`` without copying."""
     row = geometry.bytes_per_page_per_layer
     if not isinstance(t, torch.Tensor):
         raise ConfigError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+    _check_plain_memory(t, what)
     if not t.is_contiguous():
         raise ConfigError(f"{what} must be contiguous (got strides {t.stride()})")
     nbytes = t.numel() * t.element_size()
@@ -38,7 +60,11 @@ def _as_page_rows(t: torch.Tensor, geometry: PageGeometry, what: str) -> torch.T
             f"{row:,} B ({geometry.page_size_tokens} tokens x {geometry.bytes_per_token_per_layer} "
             f"B); shape {tuple(t.shape)} dtype {t.dtype}"
         )
-    return t.reshape(-1).view(torch.uint8).view(-1, row)
+    try:
+        return t.reshape(-1).view(torch.uint8).view(-1, row)
+    except RuntimeError as exc:  # anything else torch cannot see as bytes (a subclass's rule)
+        raise ConfigError(f"{what} cannot be viewed as raw bytes ({exc}); pass a plain dense "
+                          f"tensor of shape {tuple(t.shape)}") from exc
 
 
 def _fused_view(layers: list[torch.Tensor]) -> torch.Tensor | None:
@@ -97,6 +123,7 @@ def bind_pool(geometry: PageGeometry, arena: torch.Tensor, device: DeviceBuffers
     """Check ``device`` against ``geometry`` and build the views the copy code uses."""
     name = geometry.name
     if isinstance(device, torch.Tensor):
+        _check_plain_memory(device, f"pool {name!r}: the device tensor")
         if device.dim() != 3 or device.shape[0] != geometry.num_layers:
             raise ConfigError(
                 f"pool {name!r}: a single device tensor must be 3-D [num_layers="
