@@ -1,5 +1,7 @@
 """The page-extent allocator and the page-state table."""
 
+import resource
+
 import numpy as np
 import pytest
 import torch
@@ -124,6 +126,18 @@ def test_arenas_have_exact_whole_page_sizes(layout):
     assert pool.arenas["kv"].numel() == 10 * 3 * 64 * 656
     assert pool.capacity_bytes == 10 * 3 * (8448 + 64 * 656)
     assert int(idx.max()) == 0 and pool.startup_s > 0
+
+
+@pytest.mark.parametrize("layout", list(HostLayout))
+@pytest.mark.parametrize("pages", [1, 3, 10])
+def test_every_arena_starts_on_a_host_memory_page(layout, pages):
+    # as SGLang's own mmap-backed host pools do: O_DIRECT storage backends check it
+    page_bytes = resource.getpagesize()
+    for _ in range(3):  # whatever the allocator hands out, each time
+        pool = _pool(pages, layout)
+        for name, arena in pool.arenas.items():
+            assert arena.data_ptr() % page_bytes == 0, name
+            assert arena.is_contiguous() and int(arena.max()) == 0
 
 
 def test_release_checks_ownership_and_returns_the_pages():

@@ -1,8 +1,11 @@
 """The host pool: one arena per cache pool, sized in whole pages, and the page-state table.
 
 All pools share one page table: host page ``p`` is a slot in every arena. Each arena is a plain
-``uint8`` tensor, allocated once and first-touched at :meth:`HostPool.create`; page-locking it
-is the CUDA backend's job (it registers exactly these bytes). Arena shapes::
+``uint8`` tensor, allocated once and first-touched at :meth:`HostPool.create`, starting on a
+boundary of the host's memory pages (as an ``mmap`` would: storage backends that read and write
+host pages with ``O_DIRECT`` need it, and no page-lock registration shares a page with other
+memory at the arena's start); page-locking it is the CUDA backend's job (it registers exactly
+these bytes). Arena shapes::
 
     HostLayout.LAYER_FIRST: [num_layers, capacity_pages, bytes_per_page_per_layer]
     HostLayout.PAGE_FIRST:  [capacity_pages, num_layers, bytes_per_page_per_layer]
@@ -17,6 +20,7 @@ and zero-fills the arenas.
 from __future__ import annotations
 
 import itertools
+import resource
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -32,6 +36,9 @@ from .extents import ExtentAllocator
 #: Allocation ids are unique across every pool of the process, so a handle from another
 #: service can never pass for one of this pool's.
 _ALLOCATION_IDS = itertools.count(1)
+
+#: Every arena starts on a boundary of this many bytes: the host's memory page.
+ARENA_ALIGNMENT_BYTES = resource.getpagesize()
 
 
 @dataclass(frozen=True)
@@ -111,7 +118,7 @@ class HostPool:
                 shape = (g.num_layers, capacity_pages, g.bytes_per_page_per_layer)
             else:
                 shape = (capacity_pages, g.num_layers, g.bytes_per_page_per_layer)
-            arena = torch.empty(shape, dtype=torch.uint8)
+            arena = _aligned_empty(shape, ARENA_ALIGNMENT_BYTES)
             arena.view(-1).zero_()  # first touch: parallel over torch's intra-op threads
             pool.arenas[g.name] = arena
         pool.startup_s = time.perf_counter() - started
@@ -222,3 +229,15 @@ class HostPool:
             free_pages=free,
             largest_free_extent_pages=self._extents.largest_free_extent_pages,
         )
+
+
+def _aligned_empty(shape: tuple[int, ...], alignment_bytes: int) -> torch.Tensor:
+    """An uninitialised contiguous ``uint8`` tensor of ``shape`` whose first byte lies on a
+    multiple of ``alignment_bytes``: a view into an allocation up to that much larger (torch's
+    CPU allocator aligns to 64 B only). Allocates; does not touch the memory."""
+    nbytes = 1
+    for size in shape:
+        nbytes *= size
+    whole = torch.empty(nbytes + alignment_bytes - 1, dtype=torch.uint8)
+    skip = -whole.data_ptr() % alignment_bytes
+    return whole[skip:skip + nbytes].view(shape)

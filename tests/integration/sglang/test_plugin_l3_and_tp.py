@@ -21,6 +21,7 @@ import ctypes
 import json
 import os
 import queue
+import resource
 import subprocess
 import sys
 import threading
@@ -142,6 +143,20 @@ def test_sglangs_raw_page_addresses_hold_each_page_or_their_backends_are_refused
                 check_supported(kvcache=cache.kv_pool, params=None, memory=SimpleNamespace(
                     hicache_mem_layout=mem_layout, hicache_io_backend="direct",
                     hicache_storage_backend=backend), storage_backend=backend)
+
+
+@pytest.mark.parametrize("mem_layout", ["layer_first", "page_first_direct"])
+def test_host_buffers_are_page_aligned_as_sglangs_own(dsa_hicache, mem_layout):
+    # SGLang maps its host pools (page-aligned); nixl's O_DIRECT path checks the KV buffer's
+    # alignment with is_stride_page_aligned and falls back to copies when it fails
+    page_bytes = resource.getpagesize()
+    cache = dsa_hicache(num_layers=3, mem_layout=mem_layout, io_backend="direct", env=OPT_IN)
+    for name in ("kv", "indexer"):
+        pool = cache.host_pool(name)
+        buffer = pool.kv_buffer if name == "kv" else pool.index_k_with_scale_buffer
+        assert buffer.data_ptr() % page_bytes == 0, name
+    if mem_layout == "page_first_direct":
+        assert cache.host_pool("kv").is_stride_page_aligned(page_bytes)
 
 
 @pytest.mark.parametrize(
