@@ -68,7 +68,14 @@ class PagesInFlightError(DsaAsyncError, ValueError):
 
 
 class HostBudgetExceeded(DsaAsyncError, MemoryError):
-    """The requested host pool does not fit the host-memory budget. Nothing was allocated."""
+    """The requested host pool does not fit the host-memory budget. Nothing was allocated.
+
+    ``max_pages_that_fit``: the largest pool, in pages per rank, that the budget held at the
+    refusal (``None`` where the refusal is not a budget plan's, e.g. page-locking)."""
+
+    def __init__(self, message: str, *, max_pages_that_fit: int | None = None) -> None:
+        super().__init__(message)
+        self.max_pages_that_fit = max_pages_that_fit
 
 
 class HostPoolExhausted(DsaAsyncError, MemoryError):

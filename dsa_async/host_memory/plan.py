@@ -207,7 +207,9 @@ def reserve_host_pools(
             max_pages=max_pages,
         )
         if not plan.fits:
-            raise HostBudgetExceeded(budget_exceeded_message(plan, txn.entries, ledger_path=ledger.path))
+            raise HostBudgetExceeded(
+                budget_exceeded_message(plan, txn.entries, ledger_path=ledger.path),
+                max_pages_that_fit=plan.max_pages_that_fit)
         reservation = txn.add(plan.requested_bytes, label=label or "+".join(p.name for p in plan.pools))
     return plan, reservation
 

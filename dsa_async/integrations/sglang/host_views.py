@@ -27,9 +27,9 @@ import torch
 
 from ...config import PoolSize, ServiceConfig
 from ...errors import HostBudgetExceeded, UnsupportedSettingError
-from ...host_memory.plan import HOST_POOL_SETTING
 from ...geometry import HostLayout, PageGeometry
 from ..loop_thread import ServiceThread
+from .sizing import HostPoolSizing, in_sglang_terms
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +40,12 @@ class ArenaViews:
     """The allocation functions SGLang's host pools call while the strategy builds them."""
 
     def __init__(self, *, kvcache: Any, mem_layout: str, agree_pages: Callable[[int], int],
-                 all_started: Callable[[bool], bool], service_options: dict[str, Any]) -> None:
+                 all_started: Callable[[bool], bool], service_options: dict[str, Any],
+                 hicache_size_gb: int = 0) -> None:
+        """``hicache_size_gb``: SGLang's --hicache-size (0: --hicache-ratio sizes the pools),
+        for a budget refusal's advice."""
         self.kvcache = kvcache
+        self.hicache_size_gb = hicache_size_gb
         self.num_layers = int(kvcache.layer_num)
         self.page_tokens = int(kvcache.page_size)
         self.mem_layout = mem_layout  #: SGLang's --hicache-mem-layout
@@ -166,7 +170,7 @@ class ArenaViews:
             # copy never waits for or is refused host pages (the same on every rank).
             self.whole_pool = self.owner.run(lambda: _take_all(service))
         except HostBudgetExceeded as exc:  # says what to change in SGLang's terms
-            failure = in_sglang_terms(exc)
+            failure = in_sglang_terms(exc, self._sizing())
         except BaseException as exc:  # noqa: BLE001 - every rank hears of it first
             failure = exc
         # Every TP rank starts, or none does: a rank left running would wait for the others
@@ -179,6 +183,16 @@ class ArenaViews:
                 "dsa_async SGLang plug-in: another TP rank could not start its offload service "
                 "(its log says why); this rank stopped its own so that no rank runs alone")
         assert failure is None
+
+    def _sizing(self) -> HostPoolSizing:
+        """SGLang's inputs to the host pools' size on this rank (``pool_host/base.py``)."""
+        kvcache = self.kvcache
+        device_tokens = getattr(kvcache, "host_capacity_tokens", None)
+        if device_tokens is None:
+            device_tokens = kvcache.size
+        return HostPoolSizing(kv_bytes_per_token=self.kv_token_bytes * self.num_layers,
+                              page_tokens=self.page_tokens, device_tokens=int(device_tokens),
+                              hicache_size_gb=int(self.hicache_size_gb or 0))
 
     def stop(self) -> None:
         """Drain and close the service (blocks); the arenas go with the last view of them."""
@@ -197,18 +211,3 @@ def _exact(total: int, parts: int) -> int:
             f"dsa_async SGLang plug-in: the indexer page of {total} B does not split into "
             f"{parts} token rows")
     return total // parts
-
-
-#: SGLang's settings that size the host pool the plug-in asks for (per rank).
-SGLANG_HOST_POOL_SETTING = "SGLang's --hicache-size (GB per rank) or --hicache-ratio"
-
-
-def in_sglang_terms(refusal: HostBudgetExceeded) -> HostBudgetExceeded:
-    """The service's budget refusal with its fixes named as SGLang's flags: the host pool
-    follows --hicache-size / --hicache-ratio there (the service's own size setting and its
-    auto sizing are not SGLang's to set)."""
-    message = str(refusal).replace(HOST_POOL_SETTING, SGLANG_HOST_POOL_SETTING)
-    message = message.replace(", or use auto", "").replace("to fix: use auto, or ", "to fix: ")
-    renamed = HostBudgetExceeded(message)
-    renamed.__cause__ = refusal.__cause__
-    return renamed

@@ -81,7 +81,8 @@ class DsaAsyncStrategy(_DsaStrategy):
         views = ArenaViews(kvcache=kvcache, mem_layout=memory.hicache_mem_layout,
                            agree_pages=lambda pages: _agree_over_tp(pages, params),
                            all_started=lambda ok: _all_over_tp(ok, params),
-                           service_options=dict(SERVICE_OPTIONS))
+                           service_options=dict(SERVICE_OPTIONS),
+                           hicache_size_gb=getattr(memory, "hicache_size", 0))
         try:
             with views.installed(), host_memory_budget_scope(_CHECKED_BY_THE_SERVICE):
                 result = super().build(cache=cache, kvcache=kvcache, params=params,

@@ -1,0 +1,80 @@
+"""The SGLang plug-in's budget advice: the largest --hicache-size / --hicache-ratio it names fit
+the budget by SGLang 0.5.23's own sizing rule, and the next value up does not (pure arithmetic;
+the same rule runs through SGLang's real build in tests/integration/sglang)."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dsa_async.errors import HostBudgetExceeded
+from dsa_async.host_memory.plan import HOST_POOL_SETTING
+from dsa_async.integrations.sglang.sizing import HostPoolSizing, in_sglang_terms
+
+
+def _sglang_service_pages(sizing: HostPoolSizing, *, size_gb=0, ratio=0.0) -> int:
+    """SGLang's rule written out (pool_host/base.py): KV tokens from the size or the ratio, a
+    padding page, and the indexer's page more; that is the service's page count."""
+    if size_gb > 0:
+        tokens = int(size_gb * 1e9 // sizing.kv_bytes_per_token)
+    else:
+        tokens = int(sizing.device_tokens * ratio)
+    page_num = tokens // sizing.page_tokens + 1
+    return page_num + 1
+
+
+sizings = st.builds(
+    HostPoolSizing,
+    kv_bytes_per_token=st.sampled_from([656 * 61, 1152 * 61, 656 * 62, 1152 * 2, 656 * 3]),
+    page_tokens=st.just(64),
+    device_tokens=st.integers(64, 10**7),
+    hicache_size_gb=st.sampled_from([0, 8]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(sizing=sizings, max_pages=st.integers(1, 4 * 10**6))
+def test_the_named_values_fit_and_the_next_ones_do_not(sizing, max_pages):
+    size_gb = sizing.largest_size_gb(max_pages)
+    if size_gb is None:
+        assert _sglang_service_pages(sizing, size_gb=1) > max_pages
+    else:
+        assert _sglang_service_pages(sizing, size_gb=size_gb) <= max_pages
+        assert _sglang_service_pages(sizing, size_gb=size_gb + 1) > max_pages
+    ratio = sizing.largest_ratio(max_pages)
+    if ratio is None:
+        assert _sglang_service_pages(sizing, ratio=0.01) > max_pages
+    else:
+        assert float(f"{ratio:.2f}") == ratio  # in hundredths, as named
+        assert _sglang_service_pages(sizing, ratio=ratio) <= max_pages
+        assert _sglang_service_pages(sizing, ratio=round(ratio + 0.01, 2)) > max_pages
+
+
+def _refusal(max_pages):
+    return HostBudgetExceeded(
+        f"host pool refused\n  largest that fits: {max_pages} pages = 9.99 GB\n"
+        f"  to fix: lower {HOST_POOL_SETTING} to <= 9.99 GB (9,990,000,000 B), or use auto, or "
+        f"raise the container's memory limit", max_pages_that_fit=max_pages)
+
+
+def test_the_refusal_names_the_setting_in_use_first():
+    by_size = HostPoolSizing(kv_bytes_per_token=1152 * 61, page_tokens=64,
+                             device_tokens=640_000, hicache_size_gb=100)
+    message = str(in_sglang_terms(_refusal(100_000), by_size))
+    fix = message.splitlines()[-1]
+    size_gb = by_size.largest_size_gb(100_000)
+    assert fix.startswith(f"  to fix: lower SGLang's --hicache-size to <= {size_gb} (GB per rank")
+    assert "set --hicache-size 0 and --hicache-ratio <= " in fix
+    assert fix.endswith(", or raise the container's memory limit")
+    assert "9.99 GB" not in fix and "use auto" not in fix and "--host-pool-gb" not in message
+    by_ratio = HostPoolSizing(kv_bytes_per_token=1152 * 61, page_tokens=64,
+                              device_tokens=640_000, hicache_size_gb=0)
+    fix = str(in_sglang_terms(_refusal(100_000), by_ratio)).splitlines()[-1]
+    assert fix.startswith("  to fix: lower SGLang's --hicache-ratio to <= ")
+    assert f"set --hicache-size <= {size_gb} (GB per rank" in fix
+
+
+def test_when_nothing_fits_no_value_is_named():
+    sizing = HostPoolSizing(kv_bytes_per_token=1152 * 61, page_tokens=64,
+                            device_tokens=640_000, hicache_size_gb=0)
+    fix = str(in_sglang_terms(_refusal(1), sizing)).splitlines()[-1]
+    assert fix == "  to fix: raise the container's memory limit"
