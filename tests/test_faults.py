@@ -432,6 +432,8 @@ async def test_second_service_is_refused_naming_the_first_reservation(tmp_path, 
         for fragment in ("requested:", "available:", f"pid {os.getpid()} 'indexer'",
                          str(tmp_path / "ledger" / "ledger.json")):
             assert fragment in message, message
+        fits = refused.value.max_pages_that_fit  # the figure the message gives, as a number
+        assert fits is not None and f"largest that fits: {fits:,} pages" in message, message
         assert [e.pid for e in _ledger_entries(tmp_path)] == [os.getpid()]  # only the first
         assert first.statistics().used_pages == 0  # the first is untouched and still works
         result = await first.evict(tokens([1]))
