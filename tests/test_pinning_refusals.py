@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from dsa_async.errors import HostBudgetExceeded
+from dsa_async.geometry import HostLayout, dsa_indexer
+from dsa_async.host_memory.pool import HostPool
 from dsa_async.transfer import pinning
 from dsa_async.transfer.pinning import (
     CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED,
@@ -122,11 +124,11 @@ def on_this_thread(monkeypatch):
 def test_a_refused_arena_says_what_to_change_for_that_refusal(driver, on_this_thread, code,
                                                                 says, never_says):
     arena = torch.empty(12 * PAGE, dtype=torch.uint8)
-    start = arena.untyped_storage().data_ptr()
+    start = arena.data_ptr()
     host = HostPinning(torch.device("cpu"), chunk_bytes=4 * PAGE)
     driver.refuse[chunk_ranges(start, 12 * PAGE, 4 * PAGE)[-1]] = code
     with pytest.raises(HostBudgetExceeded) as refused:
-        host.register_tensor_storage(arena, "the indexer arena")
+        host.register_tensor_bytes(arena, "the indexer arena")
     message = str(refused.value)
     assert f"cudaError {code}" in message and "the indexer arena" in message
     assert says in message and never_says not in message
@@ -141,3 +143,22 @@ def test_chunks_and_trims_fall_on_the_hosts_own_page_size():
         pieces = chunk_ranges(7 * page + 40, 9 * page, 2 * page, page_bytes=page)
         assert all(stop % page == 0 for _start, stop in pieces[:-1])
         assert all(b[0] == a[1] for a, b in zip(pieces, pieces[1:]))
+
+
+@pytest.mark.parametrize("layout", list(HostLayout))
+def test_an_arena_locks_its_own_bytes_not_the_allocation_around_them(driver, on_this_thread,
+                                                                     layout):
+    # the arena is a page-aligned view into an allocation up to a page larger: locking the
+    # whole allocation would lock memory outside the pool and more than the ledger reserved
+    pool = HostPool.create([dsa_indexer(num_layers=3, host_layout=layout)], 5)
+    arena = pool.arenas["indexer"]
+    assert arena.untyped_storage().nbytes() > arena.nbytes  # a view: the case that matters
+    seen_as = arena if layout is HostLayout.LAYER_FIRST else arena.transpose(0, 1)
+    host = HostPinning(torch.device("cpu"), chunk_bytes=4 * PAGE)
+    host.register_tensor_bytes(seen_as, "the indexer arena")  # as the engine sees it
+    starts = sorted(r.start for r in host.registrations)
+    stops = sorted(r.stop for r in host.registrations)
+    assert starts[0] == arena.data_ptr() and stops[-1] == arena.data_ptr() + arena.nbytes
+    assert host.pinned_bytes == arena.nbytes
+    first_page = arena.data_ptr() // PAGE
+    assert min(lo for lo, _ in driver.registered.values()) == first_page

@@ -23,7 +23,7 @@ from dsa_async.kinds import Direction
 from dsa_async.transfer.buffers import bind_pool
 from dsa_async.transfer.cuda_copy import BatchCopy, DeviceStaging, PoolTarget, issue_batch
 from dsa_async.transfer.pinning import chunk_ranges
-from dsa_async.transfer.registrations import RegistrationMap
+from dsa_async.transfer.registrations import RegistrationMap, tensor_span
 
 CPU = torch.device("cpu")
 HOST_PAGES = 96
@@ -73,12 +73,12 @@ def _pools(layout: HostLayout, seed: int):
 
 
 def _registrations(pool: HostPool, chunk_bytes: int) -> tuple[RegistrationMap, list]:
-    """The engine's chunking of every arena (``chunk_ranges`` on the storage's real address)."""
+    """The engine's chunking of every arena (``chunk_ranges`` on the arena's real bytes)."""
     ranges, arenas = [], []
     for arena in pool.arenas.values():
-        storage = arena.untyped_storage()
-        ranges += chunk_ranges(storage.data_ptr(), storage.nbytes(), chunk_bytes)
-        arenas.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
+        start, nbytes = tensor_span(arena)
+        ranges += chunk_ranges(start, nbytes, chunk_bytes)
+        arenas.append((start, start + nbytes))
     return RegistrationMap(ranges), arenas
 
 

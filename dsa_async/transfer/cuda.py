@@ -189,7 +189,7 @@ class CudaEngine(TransferEngine):
         self._pinning = HostPinning(self.device, chunk_bytes=self.pin_chunk_bytes)
         try:
             for name, binding in self.bindings.items():
-                self._pinning.register_tensor_storage(binding.host, f"host pool {name!r}")
+                self._pinning.register_tensor_bytes(binding.host, f"host pool {name!r}")
             self.registrations = self._pinning.registration_map()
             own = self._pinning.own_map()
             self.targets = [PoolTarget.of(b, mapped_view(b.host, self.device, own))

@@ -19,7 +19,7 @@ import logging
 import torch
 
 from . import cuda_driver
-from .registrations import RegistrationMap
+from .registrations import RegistrationMap, tensor_span
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +42,11 @@ def mapped_view(host: torch.Tensor, device: torch.device,
                 registered: RegistrationMap) -> torch.Tensor | None:
     """``host`` (a CPU tensor, any strides) as a tensor on ``device`` over the same bytes.
 
-    Returns ``None`` (the copy code then uses memcpy paths only) when part of the storage is
+    Returns ``None`` (the copy code then uses memcpy paths only) when part of the arena is
     not in one of our mapped registrations, or when the device reaches registered memory only
     through a different address. Blocks briefly (driver queries); any thread.
     """
-    storage = host.untyped_storage()
-    base, nbytes = storage.data_ptr(), storage.nbytes()
+    base, nbytes = tensor_span(host)  # the arena's bytes, not the allocation around them
     if not registered.covers(base, nbytes):
         log.info("host arena at %#x (%d B) is not wholly in this engine's mapped registrations; "
                  "scattered pages move by memcpy", base, nbytes)
@@ -70,4 +69,4 @@ def mapped_view(host: torch.Tensor, device: torch.device,
         log.warning("mapped view of %#x came back at %#x on %s; not used", base,
                     flat.data_ptr(), flat.device)
         return None
-    return flat.as_strided(host.shape, host.stride(), host.storage_offset())
+    return flat.as_strided(host.shape, host.stride(), 0)

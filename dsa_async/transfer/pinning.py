@@ -49,7 +49,7 @@ from typing import TypeVar
 import torch
 
 from ..errors import HostBudgetExceeded
-from .registrations import HOST_PAGE_BYTES, RegistrationMap
+from .registrations import HOST_PAGE_BYTES, RegistrationMap, tensor_span
 
 log = logging.getLogger(__name__)
 
@@ -193,12 +193,12 @@ class HostPinning:
         with self._lock:
             return RegistrationMap((r.start, r.stop) for r in self.registrations)
 
-    def register_tensor_storage(self, tensor: torch.Tensor, what: str) -> None:
-        """Page-lock the whole storage behind ``tensor`` (a CPU tensor), once."""
+    def register_tensor_bytes(self, tensor: torch.Tensor, what: str) -> None:
+        """Page-lock the bytes of ``tensor`` (a CPU tensor: from its first element to its last,
+        not the rest of the allocation it may be a view into), once."""
         if tensor.device.type != "cpu":
             raise ValueError(f"{what}: expected a host (CPU) tensor, got device {tensor.device}")
-        storage = tensor.untyped_storage()
-        self.register(storage.data_ptr(), storage.nbytes(), what)
+        self.register(*tensor_span(tensor), what)
 
     def register(self, ptr: int, nbytes: int, what: str) -> None:
         """Page-lock ``[ptr, ptr + nbytes)``. On failure, undoes this call's chunks and raises

@@ -19,12 +19,27 @@ from __future__ import annotations
 import bisect
 import resource
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 #: The host's page size: registrations page-lock whole pages of it, so chunk edges must fall on
 #: them (4 KiB on most x86 hosts, 64 KiB on many aarch64 ones, e.g. Grace: with 4 KiB assumed
 #: there, neighbouring chunks of a torch-allocated arena would share a page and every other
 #: chunk be refused as already registered).
 HOST_PAGE_BYTES = resource.getpagesize()
+
+
+def tensor_span(tensor: "torch.Tensor") -> tuple[int, int]:
+    """``(address, nbytes)`` of the bytes a tensor's elements occupy: from its first element to
+    its last, whatever its strides (non-negative) and however much larger the allocation
+    behind it is (a host arena is a page-aligned view into a slightly larger one)."""
+    if tensor.numel() == 0:
+        return tensor.data_ptr(), 0
+    assert all(stride >= 0 for stride in tensor.stride()), "negative strides"
+    last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    return tensor.data_ptr(), (last + 1) * tensor.element_size()
 
 
 class RegistrationMap:

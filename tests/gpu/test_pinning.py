@@ -63,7 +63,7 @@ def make_engine(pool, engine_cls=CudaEngine):
 def test_engine_page_locks_exactly_the_arena_bytes_and_unlocks_on_close():
     pool = HostPool.create([dsa_indexer(num_layers=61)], 3 * 7)
     arena = pool.arenas["indexer"]
-    nbytes = arena.untyped_storage().nbytes()
+    nbytes = arena.nbytes  # its own bytes: a page-aligned view into a slightly larger block
     assert nbytes == 3 * 8448 * 61 * 7 and nbytes & (nbytes - 1)  # not a power of two
     ptr = arena.data_ptr()
     engine = make_engine(pool)
@@ -126,7 +126,7 @@ def test_unaligned_range_is_registered_exactly_and_unregistering_twice_is_refuse
 def test_memory_locked_by_its_owner_is_left_alone():
     owned = torch.empty(1 << 20, dtype=torch.uint8).pin_memory()
     pinning = HostPinning(DEVICE)
-    pinning.register_tensor_storage(owned, "caller buffer")
+    pinning.register_tensor_bytes(owned, "caller buffer")
     assert pinning.pinned_bytes == 0
     assert pinning.foreign_bytes == owned.untyped_storage().nbytes()
     assert pinning.unregister_all() == []
