@@ -70,12 +70,20 @@ class PagesInFlightError(DsaAsyncError, ValueError):
 class HostBudgetExceeded(DsaAsyncError, MemoryError):
     """The requested host pool does not fit the host-memory budget. Nothing was allocated.
 
-    ``max_pages_that_fit``: the largest pool, in pages per rank, that the budget held at the
-    refusal (``None`` where the refusal is not a budget plan's, e.g. page-locking)."""
+    The budget plan's figures, where the refusal is one (``None`` otherwise, e.g. for
+    page-locking): ``max_pages_that_fit``, the largest pool in pages per rank that the budget
+    held at the refusal; ``available_bytes``, the budget left for it after the other
+    reservations; ``bytes_per_page``, one shared page of every pool; ``reservations``, the
+    ledger's live entries at the refusal (those ``available_bytes`` excludes)."""
 
-    def __init__(self, message: str, *, max_pages_that_fit: int | None = None) -> None:
+    def __init__(self, message: str, *, max_pages_that_fit: int | None = None,
+                 available_bytes: int | None = None, bytes_per_page: int | None = None,
+                 reservations: tuple = ()) -> None:
         super().__init__(message)
         self.max_pages_that_fit = max_pages_that_fit
+        self.available_bytes = available_bytes
+        self.bytes_per_page = bytes_per_page
+        self.reservations = reservations
 
 
 class HostPoolExhausted(DsaAsyncError, MemoryError):

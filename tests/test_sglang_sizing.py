@@ -4,12 +4,15 @@ the same rule runs through SGLang's real build in tests/integration/sglang)."""
 
 from __future__ import annotations
 
+import os
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsa_async.errors import HostBudgetExceeded
+from dsa_async.host_memory.ledger import LedgerEntry
 from dsa_async.host_memory.plan import HOST_POOL_SETTING
-from dsa_async.integrations.sglang.sizing import HostPoolSizing, in_sglang_terms
+from dsa_async.integrations.sglang.sizing import HostPoolSizing, RankPeers, in_sglang_terms
 
 
 def _sglang_service_pages(sizing: HostPoolSizing, *, size_gb=0, ratio=0.0) -> int:
@@ -78,3 +81,46 @@ def test_when_nothing_fits_no_value_is_named():
                             device_tokens=640_000, hicache_size_gb=0)
     fix = str(in_sglang_terms(_refusal(1), sizing)).splitlines()[-1]
     assert fix == "  to fix: raise the container's memory limit"
+
+
+def _entry(pid: int, reserved_bytes: int, allocated_bytes: int) -> LedgerEntry:
+    return LedgerEntry(entry_id=f"e{pid}", pid=pid, start_time_ticks=1, label="kv+indexer",
+                       reserved_bytes=reserved_bytes, allocated_bytes=allocated_bytes)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ranks=st.integers(2, 8), data=st.data())
+def test_with_several_ranks_on_a_host_every_rank_fits_the_value_named(ranks, data):
+    # The refused rank found what its server's earlier ranks had left; the flags size every
+    # rank alike and the refusal releases them all, so the value named must fit all at once.
+    page_bytes = 515_328
+    host_bytes = data.draw(st.integers(page_bytes, 10**12))  # this server's share of the host
+    request_bytes = data.draw(st.integers(page_bytes, 10**12))
+    earlier = data.draw(st.integers(0, ranks - 1))  # ranks that reserved before the refusal
+    held = [min(request_bytes, host_bytes // ranks) for _ in range(earlier)]
+    siblings = [_entry(1000 + i, b, data.draw(st.sampled_from([0, b]))) for i, b in enumerate(held)]
+    unrelated = _entry(99, 7 * page_bytes, 0)  # another process's pool: not this server's
+    available_bytes = host_bytes - sum(held)
+    refusal = HostBudgetExceeded("refused", max_pages_that_fit=available_bytes // page_bytes,
+                                 available_bytes=available_bytes, bytes_per_page=page_bytes,
+                                 reservations=(*siblings, unrelated))
+    peers = RankPeers(frozenset({os.getpid(), *(e.pid for e in siblings), 2000}), ranks)
+    pages, counted = peers.per_rank_max_pages(refusal)
+    assert counted == ranks
+    assert ranks * pages * page_bytes <= host_bytes < ranks * (pages + 1) * page_bytes
+
+
+def test_the_refusal_says_the_values_hold_for_every_rank_on_the_host():
+    sizing = HostPoolSizing(kv_bytes_per_token=1152 * 61, page_tokens=64,
+                            device_tokens=640_000, hicache_size_gb=200)
+    page_bytes = 515_328 + 64 * 1152 * 61
+    refusal = HostBudgetExceeded(
+        f"host pool refused\n  to fix: lower {HOST_POOL_SETTING} to <= 49.00 GB (49,000,000,000 "
+        f"B), or use auto, or stop the processes holding the other reservations",
+        max_pages_that_fit=100_000, available_bytes=100_000 * page_bytes,
+        bytes_per_page=page_bytes, reservations=(_entry(1001, 60_000 * page_bytes, 0),))
+    alone = str(in_sglang_terms(refusal, sizing)).splitlines()[-1]
+    shared = str(in_sglang_terms(refusal, sizing, RankPeers(frozenset({1001}), 8))).splitlines()[-1]
+    assert "ranks of this server" not in alone
+    assert shared.startswith("  to fix: with 8 ranks of this server on this host, lower SGLang's "
+                             f"--hicache-size to <= {sizing.largest_size_gb(20_000)} (GB")

@@ -209,7 +209,9 @@ def reserve_host_pools(
         if not plan.fits:
             raise HostBudgetExceeded(
                 budget_exceeded_message(plan, txn.entries, ledger_path=ledger.path),
-                max_pages_that_fit=plan.max_pages_that_fit)
+                max_pages_that_fit=plan.max_pages_that_fit,
+                available_bytes=plan.available_bytes,
+                bytes_per_page=plan.bytes_per_shared_page, reservations=tuple(txn.entries))
         reservation = txn.add(plan.requested_bytes, label=label or "+".join(p.name for p in plan.pools))
     return plan, reservation
 

@@ -29,7 +29,7 @@ from ...config import PoolSize, ServiceConfig
 from ...errors import HostBudgetExceeded, UnsupportedSettingError
 from ...geometry import HostLayout, PageGeometry
 from ..loop_thread import ServiceThread
-from .sizing import HostPoolSizing, in_sglang_terms
+from .sizing import HostPoolSizing, RankPeers, in_sglang_terms
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +41,13 @@ class ArenaViews:
 
     def __init__(self, *, kvcache: Any, mem_layout: str, agree_pages: Callable[[int], int],
                  all_started: Callable[[bool], bool], service_options: dict[str, Any],
-                 hicache_size_gb: int = 0) -> None:
+                 hicache_size_gb: int = 0,
+                 rank_peers: Callable[[], RankPeers] = lambda: RankPeers(frozenset())
+                 ) -> None:
         """``hicache_size_gb``: SGLang's --hicache-size (0: --hicache-ratio sizes the pools),
-        for a budget refusal's advice."""
+        and ``rank_peers()`` (a collective over the TP ranks, called on every rank right after
+        ``agree_pages``), for a budget refusal's advice."""
+        self._rank_peers = rank_peers
         self.kvcache = kvcache
         self.hicache_size_gb = hicache_size_gb
         self.num_layers = int(kvcache.layer_num)
@@ -143,6 +147,7 @@ class ArenaViews:
 
     def _start(self, pages: int) -> None:
         pages = self._agree_pages(pages)
+        peers = self._rank_peers()
         kvcache, ps = self.kvcache, self.page_tokens
         geometries = (
             PageGeometry(KV, self.kv_token_bytes, self.num_layers, ps, self.layout),
@@ -170,7 +175,7 @@ class ArenaViews:
             # copy never waits for or is refused host pages (the same on every rank).
             self.whole_pool = self.owner.run(lambda: _take_all(service))
         except HostBudgetExceeded as exc:  # says what to change in SGLang's terms
-            failure = in_sglang_terms(exc, self._sizing())
+            failure = in_sglang_terms(exc, self._sizing(), peers)
         except BaseException as exc:  # noqa: BLE001 - every rank hears of it first
             failure = exc
         # Every TP rank starts, or none does: a rank left running would wait for the others

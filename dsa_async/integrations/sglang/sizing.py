@@ -11,6 +11,7 @@ in GB is not a value for that flag. Pure arithmetic; nothing here blocks.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
@@ -76,20 +77,52 @@ class HostPoolSizing:
         return ", or ".join(fix for fix in fixes if fix) or None
 
 
-def in_sglang_terms(refusal: HostBudgetExceeded, sizing: HostPoolSizing | None = None
-                    ) -> HostBudgetExceeded:
+@dataclass(frozen=True)
+class RankPeers:
+    """This server's TP ranks as the budget sees them: their process ids (this rank's
+    included), and how many ranks SGLang places on each host."""
+
+    pids: frozenset[int]
+    ranks_per_host: int = 1
+
+    def per_rank_max_pages(self, refusal: HostBudgetExceeded) -> tuple[int, int] | None:
+        """``(pages, ranks)``: the largest pool per rank that fits when each of ``ranks`` ranks
+        of this server on the host holds one, or None without the refusal's figures.
+
+        The flags size every rank alike, and a refusal releases every rank's pool. So the
+        budget to share is what the refused rank found left plus what this server's other
+        ranks held in the ledger then (reserved, allocated or not: the probe saw both gone),
+        split between them and the ranks still to come."""
+        if refusal.available_bytes is None or not refusal.bytes_per_page:
+            return None
+        own = os.getpid()
+        peers = [e for e in refusal.reservations if e.pid in self.pids and e.pid != own]
+        held_bytes = sum(e.reserved_bytes for e in peers)
+        ranks = max(self.ranks_per_host, 1 + len({e.pid for e in peers}))
+        return (refusal.available_bytes + held_bytes) // (ranks * refusal.bytes_per_page), ranks
+
+
+def in_sglang_terms(refusal: HostBudgetExceeded, sizing: HostPoolSizing | None = None,
+                    peers: RankPeers | None = None) -> HostBudgetExceeded:
     """The service's budget refusal with its fixes named as SGLang's flags: the host pool
     follows --hicache-size / --hicache-ratio there (the service's own size setting and its
-    auto sizing are not SGLang's to set). With ``sizing`` and the refusal's largest pool that
-    fits, the fix gives the largest flag values that fit, in SGLang's own sizing."""
+    auto sizing are not SGLang's to set). With ``sizing`` and the refusal's figures, the fix
+    gives the largest flag values that fit, in SGLang's own sizing, for every rank of the
+    server on this host (``peers``; this rank alone without it)."""
     message = str(refusal)
-    max_pages = refusal.max_pages_that_fit
+    max_pages, ranks = refusal.max_pages_that_fit, 1
+    if peers is not None and (shared := peers.per_rank_max_pages(refusal)) is not None:
+        max_pages, ranks = shared
     if sizing is not None and max_pages is not None:
         fix = sizing.lower_fix(max_pages)
+        if fix and ranks > 1:  # the values hold for every rank at once
+            fix = f"with {ranks} ranks of this server on this host, {fix}"
         message = _LOWER_POOL.sub(fix.replace("\\", "\\\\") if fix else "", message, count=1)
         message = message.replace("to fix: , or ", "to fix: ")
     message = message.replace(HOST_POOL_SETTING, SGLANG_HOST_POOL_SETTING)
     message = message.replace(", or use auto", "").replace("to fix: use auto, or ", "to fix: ")
-    renamed = HostBudgetExceeded(message, max_pages_that_fit=max_pages)
+    renamed = HostBudgetExceeded(
+        message, max_pages_that_fit=max_pages, available_bytes=refusal.available_bytes,
+        bytes_per_page=refusal.bytes_per_page, reservations=refusal.reservations)
     renamed.__cause__ = refusal.__cause__
     return renamed

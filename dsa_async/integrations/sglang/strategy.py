@@ -26,15 +26,17 @@ and for operators who export the service's metrics; empty by default.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
 from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import _DsaStrategy
-from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope, ranks_per_host
 
 from ...errors import UnsupportedSettingError
 from .engine import ServiceTransferEngine
 from .host_views import INDEXER, KV, ArenaViews
+from .sizing import RankPeers
 from .layer_counter import ServiceLayerCounter
 from .opt_in import opted_in
 from .refusals import check_supported, storage_backend_problem
@@ -80,6 +82,7 @@ class DsaAsyncStrategy(_DsaStrategy):
                         host_allocator=get_allocator_type())
         views = ArenaViews(kvcache=kvcache, mem_layout=memory.hicache_mem_layout,
                            agree_pages=lambda pages: _agree_over_tp(pages, params),
+                           rank_peers=lambda: _rank_peers(params),
                            all_started=lambda ok: _all_over_tp(ok, params),
                            service_options=dict(SERVICE_OPTIONS),
                            hicache_size_gb=getattr(memory, "hicache_size", 0))
@@ -186,6 +189,22 @@ def _agree_over_tp(pages: int, params: Any) -> int:
             f"KV host pools at {low - 1} to {high - 1} pages); give every rank the same "
             f"--hicache-size / --hicache-ratio and device pool")
     return low
+
+
+def _rank_peers(params: Any) -> RankPeers:
+    """The TP ranks' process ids (one all-reduce over the group; this rank's alone without
+    one) and SGLang's ranks per host, for a budget refusal's advice."""
+    group = _tp_group(params)
+    if group is None:
+        return RankPeers(frozenset({os.getpid()}))
+    pids = torch.zeros(torch.distributed.get_world_size(group=group), dtype=torch.int64)
+    pids[torch.distributed.get_rank(group=group)] = os.getpid()
+    torch.distributed.all_reduce(pids, op=torch.distributed.ReduceOp.SUM, group=group)
+    try:
+        per_host = int(ranks_per_host())  # SGLang's own split of a host's memory
+    except (RuntimeError, ValueError):
+        per_host = 1
+    return RankPeers(frozenset(int(p) for p in pids.tolist()), max(1, per_host))
 
 
 def _all_over_tp(ok: bool, params: Any) -> bool:
