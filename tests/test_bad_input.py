@@ -164,6 +164,16 @@ def _released(service, host):
     return release
 
 
+class _NoByteView(torch.Tensor):
+    """A tensor type whose rules forbid a byte view (as some wrapper subclasses do)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.view and any(a is torch.uint8 for a in args[1:]):
+            raise RuntimeError("this tensor type has no byte view")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
 #: Tensors of the right size whose memory torch cannot see as raw bytes (a quantized one
 #: could crash the process when viewed so); each must be a ConfigError at start.
 _OPAQUE_BUFFERS = {
@@ -174,6 +184,8 @@ _OPAQUE_BUFFERS = {
     "nested": lambda pages, row: torch.nested.nested_tensor(
         [torch.zeros(row, dtype=torch.uint8)] * pages),
     "sparse": lambda pages, row: torch.zeros(pages, row, dtype=torch.uint8).to_sparse(),
+    "no-byte-view": lambda pages, row: torch.zeros(pages, row, dtype=torch.uint8).as_subclass(
+        _NoByteView),
 }
 
 
@@ -394,7 +406,8 @@ CASES = [
            service=False)
       for kind, fragment in (("quantized", "quantized tensor"), ("quantized-3d", "quantized"),
                              ("conjugated", "lazily conjugated"), ("negated", "lazily negated"),
-                             ("nested", "nested tensor"), ("sparse", "sparse_coo tensor"))),
+                             ("nested", "nested tensor"), ("sparse", "sparse_coo tensor"),
+                             ("no-byte-view", "cannot be viewed as raw bytes"))),
     Case("config-model", lambda ctx: model_pools("llama"), ConfigError,
          ("'llama'", "deepseek-v3.2"), service=False),
     Case("config-kv-dtype", lambda ctx: mla_kv("fp4"), ConfigError,
