@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import subprocess
 import sys
 import threading
+import weakref
 from pathlib import Path
 
 import pytest
 from service_fixtures import PAGE, make_buffers, page_bytes, tokens
 
 from dsa_async.config import PoolSize, ServiceConfig
-from dsa_async.errors import HostBudgetExceeded
+from dsa_async.errors import ConfigError, HostBudgetExceeded, ServiceClosedError
 from dsa_async.front_door.service import ServiceState
 from dsa_async.geometry import dsa_indexer
 from dsa_async.host_memory.ledger import HostLedger
@@ -262,3 +265,85 @@ def test_exit_after_a_stop_that_timed_out_still_waits_for_that_close(tmp_path):
     assert "at exit closed" in done.stdout, done.stdout  # the hook waited for the close
     assert done.stderr == "", done.stderr
     assert HostLedger(str(tmp_path / "ledger")).peek() == ()
+
+
+def test_a_run_still_going_when_stop_comes_ends_with_service_closed(tmp_path):
+    owner = ServiceThread.start(_config(tmp_path), make_buffers(dsa_indexer(num_layers=2), 8),
+                                stop_at_exit=False)
+    outcome: list[BaseException | object] = []
+    started = threading.Event()
+
+    async def forever():
+        started.set()
+        await asyncio.sleep(3600)
+
+    def call() -> None:
+        try:
+            outcome.append(owner.run(forever))
+        except BaseException as exc:  # noqa: BLE001 - what the caller sees
+            outcome.append(exc)
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    assert started.wait(WAIT_S)
+    owner.stop(WAIT_S)
+    caller.join(WAIT_S)
+    assert not caller.is_alive(), "run() never returned after stop()"
+    assert len(outcome) == 1 and isinstance(outcome[0], ServiceClosedError), outcome
+    assert HostLedger(tmp_path / "ledger").entries() == ()
+
+
+@pytest.mark.parametrize("escape", [SystemExit(3), KeyboardInterrupt()], ids=type)
+def test_system_exit_in_a_run_reaches_its_caller_and_the_service_keeps_running(tmp_path,
+                                                                              escape):
+    owner = ServiceThread.start(_config(tmp_path), make_buffers(dsa_indexer(num_layers=2), 8),
+                                stop_at_exit=False)
+    try:
+        async def leave():
+            raise escape
+
+        with pytest.raises(type(escape)):
+            owner.run(leave, timeout_s=WAIT_S)
+        assert owner.running  # the loop thread still runs the service
+        backup = owner.service.evict_threadsafe(tokens([1])).wait(WAIT_S)
+        owner.service.release_threadsafe(backup.host_pages)
+    finally:
+        owner.stop(WAIT_S)
+    assert owner.stopped and HostLedger(tmp_path / "ledger").entries() == ()
+
+
+def test_an_exception_that_escapes_the_loop_closes_the_service(tmp_path):
+    owner = ServiceThread.start(_config(tmp_path), make_buffers(dsa_indexer(num_layers=2), 8),
+                                stop_at_exit=False)
+
+    def escape() -> None:
+        raise SystemExit("a callback ended the loop")
+
+    owner.loop.call_soon_threadsafe(escape)
+    owner.stop(WAIT_S)  # the service was closed on the way out: nothing waits forever
+    assert owner.stopped and owner.service.state is ServiceState.CLOSED
+    assert HostLedger(tmp_path / "ledger").entries() == ()
+
+
+def test_a_stopped_service_thread_is_not_kept_alive_by_the_exit_hook(tmp_path):
+    buffers = make_buffers(dsa_indexer(num_layers=2), 8)
+    owner = ServiceThread.start(_config(tmp_path), buffers)  # with the exit hook
+    alive = weakref.ref(owner), weakref.ref(owner.service), weakref.ref(buffers[0])
+    owner.stop(WAIT_S)
+    del owner, buffers
+    gc.collect()
+    assert [ref() for ref in alive] == [None, None, None]
+
+
+@pytest.mark.parametrize("config", [None, "config", 5])
+def test_a_start_with_no_config_says_so(tmp_path, config):
+    with pytest.raises(ConfigError):
+        ServiceThread.start(config, make_buffers(dsa_indexer(num_layers=2), 8),
+                            stop_at_exit=False)
+
+
+def test_a_refused_start_with_an_endless_drain_timeout_raises_its_own_error(tmp_path):
+    config = _config(tmp_path, host_pool=PoolSize(pages=1 << 40), drain_timeout_s=1e300)
+    with pytest.raises(HostBudgetExceeded):
+        ServiceThread.start(config, make_buffers(dsa_indexer(num_layers=2), 8),
+                            stop_at_exit=False)

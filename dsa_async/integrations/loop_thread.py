@@ -66,7 +66,7 @@ class ServiceThread:
         def run() -> None:
             asyncio.set_event_loop(loop)
             try:
-                loop.run_until_complete(_own_service(config, buffers, service_kwargs, life))
+                _run_to_the_end(loop, _own_service(config, buffers, service_kwargs, life), life)
             finally:
                 try:
                     loop.run_until_complete(loop.shutdown_asyncgens())
@@ -80,11 +80,16 @@ class ServiceThread:
             service = life.ready.result()
         except BaseException:
             life.request_stop()  # a start that succeeds after all closes at once
-            thread.join(_exit_bound_s(config))
+            thread.join(_join_bound_s(config))
             raise
         owner = cls(service, loop, thread, life)
-        if stop_at_exit:
-            _stop_at_exit(owner)
+        try:
+            if stop_at_exit:
+                _stop_at_exit(owner)
+        except BaseException:  # interrupted (Ctrl-C) before the hook was in: close it now
+            life.request_stop()
+            thread.join(_join_bound_s(config))
+            raise
         return owner
 
     def run(self, make: Callable[[], Coroutine[Any, Any, Any]], timeout_s: float | None = None
@@ -98,14 +103,23 @@ class ServiceThread:
         if self._life.stop_requested.done():
             raise ServiceClosedError("ServiceThread.run() after stop(): the loop is closing or "
                                      "closed; start a new ServiceThread")
-        coro = make()
+        coro = _guarded(make())
         try:
             future = asyncio.run_coroutine_threadsafe(coro, self.loop)
         except RuntimeError:  # the loop closed meanwhile (a concurrent stop)
             coro.close()
             raise ServiceClosedError("ServiceThread.run() while it stopped: the loop is "
                                      "closed; start a new ServiceThread") from None
-        return future.result(bound_s)
+        try:
+            outcome = future.result(bound_s)
+        except concurrent.futures.CancelledError:
+            if self._life.stop_requested.done():  # the loop ended it: it outlived the service
+                raise ServiceClosedError("ServiceThread.run(): the service stopped while the "
+                                         "coroutine still ran; it was cancelled") from None
+            raise
+        if isinstance(outcome, _Escaped):  # SystemExit / KeyboardInterrupt: the caller's
+            raise outcome.exc
+        return outcome
 
     def stop(self, timeout_s: float | None = None) -> None:
         """Drain and close the service on its loop, then end the loop and join the thread.
@@ -133,6 +147,7 @@ class ServiceThread:
         if self._thread.is_alive():
             raise TimeoutError(f"the offload service closed but its loop thread did not end "
                                f"within {timeout_s} s: call stop() again to wait for it")
+        _forget_at_exit(self)  # stopped: the exit hook lets go of it (and of its buffers)
 
     @property
     def running(self) -> bool:
@@ -169,6 +184,49 @@ class _Life:
                     "the loop thread ended before the offload service closed"))
 
 
+class _Escaped:
+    """A ``SystemExit`` / ``KeyboardInterrupt`` that a ``run()`` coroutine raised, carried to
+    the thread that called ``run()`` (raised on the loop it would end the loop thread and
+    leave the service open)."""
+
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+async def _guarded(coro: Coroutine[Any, Any, Any]) -> Any:
+    try:
+        return await coro
+    except (SystemExit, KeyboardInterrupt) as exc:
+        return _Escaped(exc)
+
+
+def _run_to_the_end(loop: asyncio.AbstractEventLoop, main: Coroutine[Any, Any, None],
+                    life: _Life) -> None:
+    """Run ``main`` (the service's life) on ``loop`` until it ended, whatever escapes the loop
+    meanwhile (a ``SystemExit`` or ``KeyboardInterrupt`` from a callback: logged, and the
+    service is closed as on ``stop()``); then cancel what still runs there (``run()``
+    coroutines that outlived the service) and let it end. Blocks the loop thread."""
+    task = loop.create_task(main)
+    while not task.done():
+        try:
+            loop.run_until_complete(task)
+        except BaseException:  # noqa: BLE001 - the service still closes before the loop ends
+            if task.done():
+                break
+            log.exception("an exception escaped the offload service's loop; closing the "
+                          "service")
+            life.request_stop()
+    others = [t for t in asyncio.all_tasks(loop) if not t.done()]
+    for other in others:
+        other.cancel()
+    if others:
+        loop.run_until_complete(asyncio.gather(*others, return_exceptions=True))
+    if not task.cancelled() and task.exception() is not None:
+        raise task.exception()
+
+
 async def _own_service(config: ServiceConfig, buffers: Any, kwargs: Mapping[str, Any],
                        life: _Life) -> None:
     """The loop thread's whole life: start the service, hand it over, run until a stop is
@@ -203,31 +261,64 @@ def _exit_bound_s(config: ServiceConfig) -> float:
     return 2 * config.drain_timeout_s + EXIT_CLOSE_GRACE_S
 
 
+def _join_bound_s(config: object) -> float | None:
+    """How long a failed or interrupted start waits for its loop thread: the exit bound of a
+    valid ``config`` (``None`` when too long for a wait), the grace alone for anything else
+    (such a start failed before anything ran). Never raises: the start's own error wins."""
+    try:
+        return wait_bound_s(_exit_bound_s(config))  # type: ignore[arg-type]
+    except Exception:  # noqa: BLE001 - not a ServiceConfig: refused before anything started
+        return EXIT_CLOSE_GRACE_S
+
+
+#: The service threads still to stop at exit, in the process that registered the hook.
+_AT_EXIT: dict[int, ServiceThread] = {}
+_AT_EXIT_LOCK = threading.Lock()
+_AT_EXIT_PID: list[int] = []  #: the process whose exit hook is registered (one per process)
+
+
 def _stop_at_exit(owner: ServiceThread) -> None:
     """Stop ``owner`` when the interpreter exits, while the thread pools that ``close()`` hands
     its blocking steps to (``asyncio.to_thread``) still take work: those refuse new work once
     the interpreter's own exit handlers ran, so a plain ``atexit`` hook would be too late and
-    leave the engine open and the ledger reservation held. The hook holds the owner (a host
-    may keep only its ``service``), runs only in the process that started it (not in a forked
-    child, where the loop thread does not exist), and waits a bounded time: also for a close
-    that an earlier ``stop()`` started and gave up waiting for."""
-    pid = os.getpid()
-    bound_s = _exit_bound_s(owner.service.config)
+    leave the engine open and the ledger reservation held. That is when the main thread ends,
+    before non-daemon threads are joined: a thread still using the service then finds it
+    closed. The hook holds each owner until it stopped (a host may keep only its ``service``;
+    one stopped is let go, buffers and all), runs only in the process that started it (not in
+    a forked child, where the loop thread does not exist), and waits a bounded time: also for
+    a close that an earlier ``stop()`` started and gave up waiting for."""
+    with _AT_EXIT_LOCK:
+        pid = os.getpid()
+        if _AT_EXIT_PID != [pid]:  # first here, or a forked child: the parent's are not ours
+            _AT_EXIT.clear()
+            _AT_EXIT_PID[:] = [pid]
+            register = getattr(threading, "_register_atexit", None)  # before those pools stop
+            try:
+                if register is None:
+                    raise RuntimeError
+                register(_stop_all_at_exit)
+            except RuntimeError:  # no such hook, or the interpreter is already shutting down
+                atexit.register(_stop_all_at_exit)
+        _AT_EXIT[id(owner)] = owner
 
-    def stop() -> None:
-        if os.getpid() != pid or owner.stopped:
+
+def _forget_at_exit(owner: ServiceThread) -> None:
+    with _AT_EXIT_LOCK:
+        if _AT_EXIT.get(id(owner)) is owner:
+            del _AT_EXIT[id(owner)]
+
+
+def _stop_all_at_exit() -> None:
+    with _AT_EXIT_LOCK:
+        if _AT_EXIT_PID != [os.getpid()]:
             return
+        owners = list(_AT_EXIT.values())
+    for owner in owners:
+        if owner.stopped:
+            continue
+        bound_s = _exit_bound_s(owner.service.config)
         try:
             owner.stop(bound_s)
         except TimeoutError:
             log.error("the offload service did not close within %.3g s at exit; exiting "
                       "without it", bound_s)
-
-    register = getattr(threading, "_register_atexit", None)  # runs before those pools stop
-    if register is None:
-        atexit.register(stop)
-        return
-    try:
-        register(stop)
-    except RuntimeError:  # the interpreter is already shutting down
-        atexit.register(stop)
