@@ -6,7 +6,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import os
 import queue
+import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -402,3 +405,52 @@ async def test_host_copy_released_after_its_load_still_checks_against_the_backup
     assert c.prefetched_pages == c.verified_pages == 3
     assert c.mismatches == 0 and c.errors == 0
     assert end == start
+
+
+@pytest.mark.parametrize("field", ["arrival_s", "conversation", "prompt_tokens",
+                                   "output_tokens"])
+def test_a_field_given_twice_is_refused_not_read_as_its_last_value(tmp_path, field):
+    good = _line()
+    twice = good[:-1] + f', "{field}": ' + json.dumps(json.loads(good)[field]) + "}"
+    path = tmp_path / "t.jsonl"
+    path.write_text(f"{good}\n{twice}\n")
+    with pytest.raises(TraceError, match=f"line 2: key '{field}' appears twice"):
+        parse_trace(path)
+
+
+def test_a_line_that_is_not_utf8_is_named(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(f"{_line()}\n{_line()}\n".encode() + b'{"conversation": "\xff"}\n')
+    with pytest.raises(TraceError, match="line 3: not UTF-8 text"):
+        parse_trace(path)
+
+
+def test_line_numbers_count_newlines_only(tmp_path):
+    # a lone carriage return does not start a line (wc -l and editors agree); CRLF ends one
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(f"{_line()}\r\r\n{_line()}\r\n{{bad\n".encode())
+    with pytest.raises(TraceError, match="line 3: not valid JSON"):
+        parse_trace(path)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "device"])
+def test_a_trace_that_is_not_a_regular_file_is_refused_at_once(tmp_path, kind):
+    path = {"fifo": tmp_path / "pipe", "directory": tmp_path, "device": Path("/dev/zero")}[kind]
+    if kind == "fifo":
+        os.mkfifo(path)  # nobody writes to it: reading it would wait forever
+    named = {"fifo": "a FIFO", "directory": "a directory", "device": "a device"}[kind]
+    outcome: list[BaseException] = []
+    reader = threading.Thread(target=lambda: outcome.append(_raised(parse_trace, path)),
+                              daemon=True)
+    reader.start()
+    reader.join(10)
+    assert not reader.is_alive(), "reading the trace blocked"
+    assert isinstance(outcome[0], TraceError) and f"is {named}" in str(outcome[0]), outcome
+
+
+def _raised(fn, *args) -> BaseException | None:
+    try:
+        fn(*args)
+    except BaseException as exc:  # noqa: BLE001 - returned to the test
+        return exc
+    return None

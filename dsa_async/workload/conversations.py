@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -153,10 +155,28 @@ def _shown(value: object) -> str:
     return shortened(value) if isinstance(value, _Literal) else shown(value)
 
 
+class _RepeatedKey(Exception):
+    """A JSON object names one key twice (``json`` would keep the last value silently)."""
+
+
+def _no_repeated_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    record = dict(pairs)
+    if len(record) != len(pairs):
+        seen: set[str] = set()
+        for key, _value in pairs:
+            if key in seen:
+                raise _RepeatedKey(key)
+            seen.add(key)
+    return record
+
+
 def _parse_line(text: str, where: str) -> tuple[float, str, int, int]:
     try:
         record = json.loads(text, parse_int=_parse_int, parse_float=_parse_float,
-                            parse_constant=_Literal)
+                            parse_constant=_Literal, object_pairs_hook=_no_repeated_keys)
+    except _RepeatedKey as exc:
+        raise TraceError(f"{where}: key {shown(exc.args[0])} appears twice; give each field "
+                         f"once") from None
     except json.JSONDecodeError as exc:
         raise TraceError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
     except RecursionError:
@@ -214,15 +234,39 @@ def parse_trace_lines(lines: Iterator[str] | list[str], name: str = "trace") -> 
 
 
 def parse_trace(path: str | Path) -> tuple[Conversation, ...]:
-    """Read and parse a trace file (see the module docstring). Blocking file read."""
+    """Read and parse a trace file (see the module docstring). Blocking file read.
+
+    Only a regular file is read (a FIFO or a device would block or never end); lines end at
+    ``\n`` alone (``\r\n`` too), so line numbers are those ``wc -l`` and editors count."""
     path = Path(path)
     try:
-        with path.open(encoding="utf-8") as handle:
-            return parse_trace_lines(handle, str(path))
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO: no wait
+        try:
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
+                kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+                        else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+                        else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
+                raise TraceError(f"trace {str(path)!r} is {kind}; give a JSON-lines file")
+            handle = os.fdopen(fd, "rb")
+        except BaseException:
+            os.close(fd)
+            raise
+        with handle:
+            return parse_trace_lines(_text_lines(handle, str(path)), str(path))
     except OSError as exc:
         raise TraceError(f"cannot read trace {str(path)!r}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError as exc:
-        raise TraceError(f"trace {str(path)!r} is not UTF-8 text: {exc.reason}") from None
+
+
+def _text_lines(handle, name: str) -> Iterator[str]:
+    """The lines of a binary file as UTF-8 text, split at ``\n`` only; a line that is not
+    UTF-8 is a ``TraceError`` naming it."""
+    for number, raw in enumerate(handle, start=1):
+        try:
+            yield raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise TraceError(f"{name} line {number}: not UTF-8 text ({exc.reason} at byte "
+                             f"{exc.start + 1} of the line)") from None
 
 
 @dataclass(frozen=True)
