@@ -36,6 +36,11 @@ class PoolSize:
                                   f"to fit the pool into the budget")
             if value is not None:
                 check_fits_int64(f"PoolSize.{name}", value)
+        if self.max_pages is not None and given:
+            raise ConfigError(
+                f"PoolSize.max_pages caps auto sizing; with {'pages' if self.pages else 'bytes'} "
+                f"given it would be ignored: drop it, or drop {'pages' if self.pages else 'bytes'}"
+                f" to size the pool automatically")
 
     @classmethod
     def auto(cls, max_pages: int | None = None) -> PoolSize:

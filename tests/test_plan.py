@@ -6,6 +6,7 @@ from fake_roots import GIB, MIB, Level, make_root, write_cgroup_v1, write_cgroup
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dsa_async.config import PoolSize
 from dsa_async.errors import ConfigError, HostBudgetExceeded
 from dsa_async.geometry import KvDtype, dsa_indexer, mla_kv, model_pools
 from dsa_async.host_memory.budget import BudgetLimiter, BudgetSnapshot, probe_host_budget
@@ -147,11 +148,49 @@ def test_size_below_one_page_names_the_smallest_size(budget):
         (dict(max_pages=0), "max_pages"),
         (dict(ranks_per_host=0), "ranks_per_host"),
         (dict(pending_bytes=-1), "pending_bytes"),
+        (dict(pending_bytes=1.5), "pending_bytes must be an int"),
+        (dict(pending_bytes=float("nan")), "pending_bytes must be an int"),
+        (dict(pending_bytes=True), "pending_bytes must be an int"),
+        (dict(pending_bytes=None), "pending_bytes must be an int"),
+        (dict(max_pages="x"), "max_pages"),
+        (dict(num_pages=3, max_pages=1), "max_pages caps auto sizing"),
+        (dict(requested_bytes=GB, max_pages=1), "max_pages caps auto sizing"),
+        (dict(budget_snapshot=None), "budget_snapshot must be a BudgetSnapshot"),
+        (dict(pools=None), "pools must be a non-empty sequence"),
+        (dict(pools=5), "pools must be a non-empty sequence"),
+        (dict(pools="indexer"), "pools must be a non-empty sequence"),
     ],
 )
 def test_bad_sizing_arguments_are_config_errors(budget, kwargs, match):
+    kwargs = {"pools": [INDEXER], "budget_snapshot": budget, **kwargs}
     with pytest.raises(ConfigError, match=match):
-        plan_pools([INDEXER], budget_snapshot=budget, **kwargs)
+        plan_pools(kwargs.pop("pools"), **kwargs)
+
+
+def test_one_pool_may_be_given_alone(budget):
+    assert plan_pools(INDEXER, budget_snapshot=budget, num_pages=2) == plan_pools(
+        [INDEXER], budget_snapshot=budget, num_pages=2)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(num_pages=0), "num_pages"),
+        (dict(num_pages=3, max_pages=1), "max_pages caps auto sizing"),
+        (dict(reserve_bytes=-1), "reserve_bytes"),
+        (dict(hugepages="yes"), "hugepages"),
+        (dict(root=5), "root must be a directory path"),
+        (dict(pools=None), "pools must be a non-empty sequence"),
+        (dict(ledger="ledger-dir"), "ledger must be a HostLedger"),
+        (dict(label=5), "label must be a str"),
+    ],
+)
+def test_a_refused_reservation_argument_leaves_no_ledger_behind(root, tmp_path, kwargs, match):
+    ledger_dir = tmp_path / "ledger"
+    kwargs = {"pools": [INDEXER], "root": root, "ledger": HostLedger(ledger_dir), **kwargs}
+    with pytest.raises(ConfigError, match=match):
+        reserve_host_pools(kwargs.pop("pools"), **kwargs)
+    assert not ledger_dir.exists()  # refused before the ledger was made or locked
 
 
 def test_pools_must_share_a_page_size_and_have_distinct_names(budget):
@@ -397,3 +436,10 @@ def test_reserve_auto_fits_what_is_left(root, tmp_path):
         )
         with reservation:
             assert plan.auto and plan.num_pages == 40 * GIB // 515_328
+
+
+@pytest.mark.parametrize("given", [dict(pages=3), dict(bytes=GB)])
+def test_a_pool_size_with_a_cap_it_would_ignore_is_refused(given):
+    with pytest.raises(ConfigError, match="PoolSize.max_pages caps auto sizing"):
+        PoolSize(**given, max_pages=1)
+    assert PoolSize(max_pages=1).is_auto

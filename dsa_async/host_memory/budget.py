@@ -131,6 +131,19 @@ class BudgetSnapshot:
     limiter_level: CgroupLevel | None  #: the limiting cgroup level, when ``limiter`` is CGROUP
 
 
+def check_probe_arguments(root: object, reserve_bytes: object, hugepages: object) -> None:
+    """Raise ``ConfigError`` for arguments ``probe_host_budget`` cannot use (before it, or a
+    caller that takes a lock for it, does anything)."""
+    if root is not None and not isinstance(root, (str, os.PathLike)):
+        raise ConfigError(f"root must be a directory path (str or os.PathLike) or None, got "
+                          f"{shown(root)}")
+    if reserve_bytes is not None and (
+        isinstance(reserve_bytes, bool) or not isinstance(reserve_bytes, int) or reserve_bytes < 0
+    ):
+        raise ConfigError(f"reserve_bytes must be an int >= 0, got {shown(reserve_bytes)}")
+    as_flag("hugepages", hugepages)
+
+
 def resolve_root(root: str | os.PathLike[str] | None = None) -> Path:
     """The probe root: ``root``, else ``$DSA_ASYNC_ROOT``, else ``/``."""
     if root is None:
@@ -424,10 +437,7 @@ def probe_host_budget(
     ``reserve_bytes`` overrides the default reserve; ``hugepages`` says the arena is
     hugepage-backed, so free hugepages cap the budget too.
     """
-    if reserve_bytes is not None and (
-        isinstance(reserve_bytes, bool) or not isinstance(reserve_bytes, int) or reserve_bytes < 0
-    ):
-        raise ConfigError(f"reserve_bytes must be an int >= 0, got {shown(reserve_bytes)}")
+    check_probe_arguments(root, reserve_bytes, hugepages)
     hugepages = as_flag("hugepages", hugepages)
     base = resolve_root(root)
     meminfo = _read_meminfo(base)

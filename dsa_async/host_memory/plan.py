@@ -16,7 +16,7 @@ reservation under the ledger lock, so two processes asking for 60 % each cannot 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from ..errors import ConfigError, HostBudgetExceeded, shown
@@ -26,6 +26,7 @@ from .budget import (
     BudgetLimiter,
     BudgetSnapshot,
     CgroupLevel,
+    check_probe_arguments,
     probe_host_budget,
 )
 from .ledger import HostLedger, LedgerEntry, Reservation
@@ -96,7 +97,18 @@ def _positive(name: str, value: object) -> int:
     return value
 
 
-def _check_pools(pools: Sequence[PageGeometry]) -> tuple[PageGeometry, ...]:
+def _not_negative(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{name} must be an int >= 0 (bytes), got {shown(value)}")
+    return value
+
+
+def _check_pools(pools: Sequence[PageGeometry] | PageGeometry) -> tuple[PageGeometry, ...]:
+    if isinstance(pools, PageGeometry):  # one pool, as ServiceConfig takes it
+        pools = (pools,)
+    if isinstance(pools, (str, bytes)) or not isinstance(pools, Iterable):
+        raise ConfigError(f"pools must be a non-empty sequence of PageGeometry, got "
+                          f"{shown(pools)}")
     pools = tuple(pools)
     if not pools or not all(isinstance(p, PageGeometry) for p in pools):
         raise ConfigError(f"pools must be a non-empty sequence of PageGeometry, got {pools!r}")
@@ -108,6 +120,24 @@ def _check_pools(pools: Sequence[PageGeometry]) -> tuple[PageGeometry, ...]:
         raise ConfigError(
             f"pools share one page table, so their page_size_tokens must match, got {page_sizes}"
         )
+    return pools
+
+
+def _check_sizing(pools: object, requested_bytes: object, num_pages: object,
+                  max_pages: object) -> tuple[PageGeometry, ...]:
+    """The pools, checked, after the sizing arguments' checks (``ConfigError``)."""
+    pools = _check_pools(pools)  # type: ignore[arg-type]
+    if requested_bytes is not None and num_pages is not None:
+        raise ConfigError("give requested_bytes or num_pages, not both (neither means auto)")
+    if requested_bytes is not None:
+        _positive("requested_bytes", requested_bytes)
+    if num_pages is not None:
+        _positive("num_pages", num_pages)
+    if max_pages is not None:
+        _positive("max_pages", max_pages)
+        if requested_bytes is not None or num_pages is not None:
+            raise ConfigError("max_pages caps auto sizing; with requested_bytes or num_pages "
+                              "given it would be ignored: drop it, or give neither")
     return pools
 
 
@@ -128,12 +158,12 @@ def plan_pools(
     ``max_pages``. ``pending_bytes`` are other reservations not yet allocated (the ledger's).
     ``ranks_per_host`` co-located ranks each take this plan.
     """
-    pools = _check_pools(pools)
+    pools = _check_sizing(pools, requested_bytes, num_pages, max_pages)
+    if not isinstance(budget_snapshot, BudgetSnapshot):
+        raise ConfigError(f"budget_snapshot must be a BudgetSnapshot (probe_host_budget()), got "
+                          f"{shown(budget_snapshot)}")
     auto = requested_bytes is None and num_pages is None
-    if requested_bytes is not None and num_pages is not None:
-        raise ConfigError("give requested_bytes or num_pages, not both (neither means auto)")
-    if pending_bytes < 0:
-        raise ConfigError(f"pending_bytes must be >= 0, got {pending_bytes}")
+    _not_negative("pending_bytes", pending_bytes)
     ranks_per_host = _positive("ranks_per_host", ranks_per_host)
     bytes_per_shared_page = sum(p.bytes_per_page for p in pools)
     available_bytes = max(0, budget_snapshot.available_bytes - pending_bytes)
@@ -195,6 +225,13 @@ def reserve_host_pools(
     auto). Raises ``HostBudgetExceeded`` (nothing reserved) when the plan does not fit.
     Blocking: file reads, the ledger lock and a ledger write; call it from a worker thread.
     """
+    # Every argument is checked before the ledger is touched (its directory made, locked).
+    check_probe_arguments(root, reserve_bytes, hugepages)
+    _check_sizing(pools, requested_bytes, num_pages, max_pages)
+    if ledger is not None and not isinstance(ledger, HostLedger):
+        raise ConfigError(f"ledger must be a HostLedger or None, got {shown(ledger)}")
+    if label is not None and not isinstance(label, str):
+        raise ConfigError(f"label must be a str or None, got {shown(label)}")
     ledger = ledger if ledger is not None else HostLedger()
     with ledger.transaction() as txn:
         snapshot = probe_host_budget(root, reserve_bytes=reserve_bytes, hugepages=hugepages)
