@@ -73,7 +73,7 @@ class HostBudgetExceeded(DsaAsyncError, MemoryError):
     The budget plan's figures, where the refusal is one (``None`` otherwise, e.g. for
     page-locking): ``max_pages_that_fit``, the largest pool in pages per rank that the budget
     held at the refusal; ``available_bytes``, the budget left for it after the other
-    reservations; ``bytes_per_page``, one shared page of every pool; ``reservations``, the
+    reservations (negative when they exceed what the probe found free); ``bytes_per_page``, one shared page of every pool; ``reservations``, the
     ledger's live entries at the refusal (those ``available_bytes`` excludes)."""
 
     def __init__(self, message: str, *, max_pages_that_fit: int | None = None,

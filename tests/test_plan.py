@@ -443,3 +443,13 @@ def test_a_pool_size_with_a_cap_it_would_ignore_is_refused(given):
     with pytest.raises(ConfigError, match="PoolSize.max_pages caps auto sizing"):
         PoolSize(**given, max_pages=1)
     assert PoolSize(max_pages=1).is_auto
+
+
+@pytest.mark.parametrize("form", [list, tuple, iter, lambda pools: (p for p in pools)])
+def test_pools_may_be_any_iterable(root, tmp_path, form):
+    plan, reservation = reserve_host_pools(form([INDEXER]), num_pages=2, root=root,
+                                           ledger=HostLedger(tmp_path / "ledger"))
+    try:
+        assert plan.num_pages == 2 and [p.geometry for p in plan.pools] == [INDEXER]
+    finally:
+        reservation.release()

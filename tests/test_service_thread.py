@@ -146,6 +146,30 @@ def test_a_forked_child_exits_and_the_parent_still_closes_at_exit(tmp_path):
     assert HostLedger(str(tmp_path / "ledger")).peek() == ()
 
 
+def test_a_child_forked_while_the_exit_registry_was_busy_still_exits(tmp_path):
+    """A thread of the parent held the exit hook's lock at the fork (another service thread
+    starting or stopping): the child's copy of the hook must not wait for that lock."""
+    script = _exit_script(tmp_path, [
+        "from dsa_async.integrations import loop_thread",
+        "ServiceThread.start(config, make_buffers(dsa_indexer(num_layers=2), 8))",
+        "held, go = threading.Event(), threading.Event()",
+        "def hold():",
+        "    with loop_thread._AT_EXIT_LOCK:",
+        "        held.set(); go.wait()",
+        "threading.Thread(target=hold, daemon=True).start(); held.wait()",
+        "pid = os.fork()",
+        "if pid == 0:",
+        "    sys.exit(0)  # runs the exit handlers, the inherited hook among them",
+        "go.set()",
+        "_, status = os.waitpid(pid, 0)",
+        "print('child', os.waitstatus_to_exitcode(status), flush=True)",
+    ])
+    done = _run(script, timeout_s=60)
+    assert done.returncode == 0, done.stderr
+    assert "child 0" in done.stdout
+    assert HostLedger(str(tmp_path / "ledger")).peek() == ()
+
+
 def test_exit_is_bounded_when_a_copy_never_ends(tmp_path):
     """A copy that never ends (a wedged device) cannot keep the process from exiting: the exit
     hook waits twice the drain timeout and a grace period, then the process exits."""
@@ -347,3 +371,31 @@ def test_a_refused_start_with_an_endless_drain_timeout_raises_its_own_error(tmp_
     with pytest.raises(HostBudgetExceeded):
         ServiceThread.start(config, make_buffers(dsa_indexer(num_layers=2), 8),
                             stop_at_exit=False)
+
+
+def test_a_run_racing_stop_never_waits_forever(tmp_path):
+    # run() passes its check, then the service closes and the loop ends around the moment its
+    # coroutine is handed over: whichever way it lands, run() ends with ServiceClosedError
+    for attempt in range(5):
+        owner = ServiceThread.start(_config(tmp_path), make_buffers(dsa_indexer(num_layers=2), 8),
+                                    stop_at_exit=False)
+
+        def make():
+            threading.Thread(target=owner.stop).start()
+            owner._life.closed.result(WAIT_S)  # the loop is ending now
+            return asyncio.sleep(0)
+
+        outcome: list[BaseException | object] = []
+
+        def call() -> None:
+            try:
+                outcome.append(owner.run(make))
+            except BaseException as exc:  # noqa: BLE001 - what the caller sees
+                outcome.append(exc)
+
+        caller = threading.Thread(target=call)
+        caller.start()
+        caller.join(WAIT_S)
+        assert not caller.is_alive(), f"run() waited forever (attempt {attempt})"
+        assert outcome in ([None],) or isinstance(outcome[0], ServiceClosedError), outcome
+        owner.stop(WAIT_S)

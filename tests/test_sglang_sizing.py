@@ -83,8 +83,10 @@ def test_when_nothing_fits_no_value_is_named():
     assert fix == "  to fix: raise the container's memory limit"
 
 
-def _entry(pid: int, reserved_bytes: int, allocated_bytes: int) -> LedgerEntry:
-    return LedgerEntry(entry_id=f"e{pid}", pid=pid, start_time_ticks=1, label="kv+indexer",
+def _entry(pid: int, reserved_bytes: int, allocated_bytes: int, start_ticks: int = 1
+           ) -> LedgerEntry:
+    return LedgerEntry(entry_id=f"e{pid}", pid=pid, start_time_ticks=start_ticks,
+                       label="kv+indexer",
                        reserved_bytes=reserved_bytes, allocated_bytes=allocated_bytes)
 
 
@@ -94,20 +96,25 @@ def test_with_several_ranks_on_a_host_every_rank_fits_the_value_named(ranks, dat
     # The refused rank found what its server's earlier ranks had left; the flags size every
     # rank alike and the refusal releases them all, so the value named must fit all at once.
     page_bytes = 515_328
-    host_bytes = data.draw(st.integers(page_bytes, 10**12))  # this server's share of the host
+    host_bytes = data.draw(st.integers(page_bytes, 10**12))  # free for the server at its start
     request_bytes = data.draw(st.integers(page_bytes, 10**12))
     earlier = data.draw(st.integers(0, ranks - 1))  # ranks that reserved before the refusal
     held = [min(request_bytes, host_bytes // ranks) for _ in range(earlier)]
+    # memory other processes took meanwhile: it may leave less free than the peers reserved
+    used_elsewhere = data.draw(st.integers(0, host_bytes))
     siblings = [_entry(1000 + i, b, data.draw(st.sampled_from([0, b]))) for i, b in enumerate(held)]
     unrelated = _entry(99, 7 * page_bytes, 0)  # another process's pool: not this server's
-    available_bytes = host_bytes - sum(held)
-    refusal = HostBudgetExceeded("refused", max_pages_that_fit=available_bytes // page_bytes,
-                                 available_bytes=available_bytes, bytes_per_page=page_bytes,
-                                 reservations=(*siblings, unrelated))
-    peers = RankPeers(frozenset({os.getpid(), *(e.pid for e in siblings), 2000}), ranks)
-    pages, counted = peers.per_rank_max_pages(refusal)
+    same_pid_elsewhere = _entry(2000, 9 * page_bytes, 0, start_ticks=5)  # not the remote rank
+    available_bytes = host_bytes - used_elsewhere - sum(held)  # unfloored, as refusals carry it
+    refusal = HostBudgetExceeded(
+        "refused", max_pages_that_fit=max(0, available_bytes) // page_bytes,
+        available_bytes=available_bytes, bytes_per_page=page_bytes,
+        reservations=(*siblings, unrelated, same_pid_elsewhere))
+    processes = {(os.getpid(), 1), *((e.pid, e.start_time_ticks) for e in siblings), (2000, 1)}
+    pages, counted = RankPeers(frozenset(processes), ranks).per_rank_max_pages(refusal)
     assert counted == ranks
-    assert ranks * pages * page_bytes <= host_bytes < ranks * (pages + 1) * page_bytes
+    truly_free = host_bytes - used_elsewhere  # once every rank of the server let go
+    assert ranks * pages * page_bytes <= truly_free < ranks * (pages + 1) * page_bytes
 
 
 def test_the_refusal_says_the_values_hold_for_every_rank_on_the_host():
@@ -120,7 +127,7 @@ def test_the_refusal_says_the_values_hold_for_every_rank_on_the_host():
         max_pages_that_fit=100_000, available_bytes=100_000 * page_bytes,
         bytes_per_page=page_bytes, reservations=(_entry(1001, 60_000 * page_bytes, 0),))
     alone = str(in_sglang_terms(refusal, sizing)).splitlines()[-1]
-    shared = str(in_sglang_terms(refusal, sizing, RankPeers(frozenset({1001}), 8))).splitlines()[-1]
+    shared = str(in_sglang_terms(refusal, sizing, RankPeers(frozenset({(1001, 1)}), 8))).splitlines()[-1]
     assert "ranks of this server" not in alone
     assert shared.startswith("  to fix: with 8 ranks of this server on this host, lower SGLang's "
                              f"--hicache-size to <= {sizing.largest_size_gb(20_000)} (GB")

@@ -227,7 +227,7 @@ def reserve_host_pools(
     """
     # Every argument is checked before the ledger is touched (its directory made, locked).
     check_probe_arguments(root, reserve_bytes, hugepages)
-    _check_sizing(pools, requested_bytes, num_pages, max_pages)
+    pools = _check_sizing(pools, requested_bytes, num_pages, max_pages)  # an iterator: once
     if ledger is not None and not isinstance(ledger, HostLedger):
         raise ConfigError(f"ledger must be a HostLedger or None, got {shown(ledger)}")
     if label is not None and not isinstance(label, str):
@@ -247,7 +247,7 @@ def reserve_host_pools(
             raise HostBudgetExceeded(
                 budget_exceeded_message(plan, txn.entries, ledger_path=ledger.path),
                 max_pages_that_fit=plan.max_pages_that_fit,
-                available_bytes=plan.available_bytes,
+                available_bytes=snapshot.available_bytes - plan.pending_bytes,
                 bytes_per_page=plan.bytes_per_shared_page, reservations=tuple(txn.entries))
         reservation = txn.add(plan.requested_bytes, label=label or "+".join(p.name for p in plan.pools))
     return plan, reservation

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import functools
 import logging
 import os
 import threading
@@ -103,16 +104,30 @@ class ServiceThread:
         if self._life.stop_requested.done():
             raise ServiceClosedError("ServiceThread.run() after stop(): the loop is closing or "
                                      "closed; start a new ServiceThread")
-        coro = _guarded(make())
+        inner = make()
+        coro = _guarded(inner)
         try:
             future = asyncio.run_coroutine_threadsafe(coro, self.loop)
         except RuntimeError:  # the loop closed meanwhile (a concurrent stop)
-            coro.close()
+            _close(coro, inner)
             raise ServiceClosedError("ServiceThread.run() while it stopped: the loop is "
                                      "closed; start a new ServiceThread") from None
+        # The loop may end without ever running it (a stop that came just after the check
+        # above): waiting for the loop's end too, this never waits forever for that.
+        concurrent.futures.wait((future, self._life.ended), bound_s,
+                                return_when=concurrent.futures.FIRST_COMPLETED)
+        if not future.done():
+            if not self._life.ended.done():
+                raise TimeoutError(f"ServiceThread.run(): no result within {timeout_s} s; the "
+                                   f"coroutine keeps running on the loop")
+            future.cancel()
+            _close(coro, inner)
+            raise ServiceClosedError("ServiceThread.run(): the service stopped before the "
+                                     "coroutine ran; it never ran")
         try:
-            outcome = future.result(bound_s)
+            outcome = future.result()
         except concurrent.futures.CancelledError:
+            _close(inner)  # cancelled before its first step, it was never awaited
             if self._life.stop_requested.done():  # the loop ended it: it outlived the service
                 raise ServiceClosedError("ServiceThread.run(): the service stopped while the "
                                          "coroutine still ran; it was cancelled") from None
@@ -169,6 +184,8 @@ class _Life:
         self.ready: concurrent.futures.Future = concurrent.futures.Future()
         self.stop_requested: concurrent.futures.Future = concurrent.futures.Future()
         self.closed: concurrent.futures.Future = concurrent.futures.Future()
+        #: the loop is closed: nothing scheduled on it runs any more
+        self.ended: concurrent.futures.Future = concurrent.futures.Future()
         self._lock = threading.Lock()
 
     def request_stop(self) -> None:
@@ -182,6 +199,7 @@ class _Life:
             if not self.closed.done():
                 self.closed.set_exception(RuntimeError(
                     "the loop thread ended before the offload service closed"))
+            self.ended.set_result(None)
 
 
 class _Escaped:
@@ -193,6 +211,17 @@ class _Escaped:
 
     def __init__(self, exc: BaseException) -> None:
         self.exc = exc
+
+
+def _close(*coros: object) -> None:
+    """Close coroutines that will never run (no "never awaited" warning); best effort."""
+    for coro in coros:
+        close = getattr(coro, "close", None)
+        if close is not None:
+            try:
+                close()
+            except Exception:  # noqa: BLE001 - one that is running: the loop is gone anyway
+                pass
 
 
 async def _guarded(coro: Coroutine[Any, Any, Any]) -> Any:
@@ -218,10 +247,9 @@ def _run_to_the_end(loop: asyncio.AbstractEventLoop, main: Coroutine[Any, Any, N
             log.exception("an exception escaped the offload service's loop; closing the "
                           "service")
             life.request_stop()
-    others = [t for t in asyncio.all_tasks(loop) if not t.done()]
-    for other in others:
-        other.cancel()
-    if others:
+    while others := [t for t in asyncio.all_tasks(loop) if not t.done()]:  # new ones too
+        for other in others:
+            other.cancel()
         loop.run_until_complete(asyncio.gather(*others, return_exceptions=True))
     if not task.cancelled() and task.exception() is not None:
         raise task.exception()
@@ -292,14 +320,25 @@ def _stop_at_exit(owner: ServiceThread) -> None:
         if _AT_EXIT_PID != [pid]:  # first here, or a forked child: the parent's are not ours
             _AT_EXIT.clear()
             _AT_EXIT_PID[:] = [pid]
+            hook = functools.partial(_stop_all_at_exit, pid)  # a child inherits it: skipped
             register = getattr(threading, "_register_atexit", None)  # before those pools stop
             try:
                 if register is None:
                     raise RuntimeError
-                register(_stop_all_at_exit)
+                register(hook)
             except RuntimeError:  # no such hook, or the interpreter is already shutting down
-                atexit.register(_stop_all_at_exit)
+                atexit.register(hook)
         _AT_EXIT[id(owner)] = owner
+
+
+def _fresh_lock_in_child() -> None:
+    """A forked child gets a new lock: another thread may have held the parent's at fork."""
+    global _AT_EXIT_LOCK
+    _AT_EXIT_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_fresh_lock_in_child)
 
 
 def _forget_at_exit(owner: ServiceThread) -> None:
@@ -308,10 +347,10 @@ def _forget_at_exit(owner: ServiceThread) -> None:
             del _AT_EXIT[id(owner)]
 
 
-def _stop_all_at_exit() -> None:
+def _stop_all_at_exit(pid: int) -> None:
+    if os.getpid() != pid:  # a forked child's copy of the parent's hook: never touch the lock
+        return
     with _AT_EXIT_LOCK:
-        if _AT_EXIT_PID != [os.getpid()]:
-            return
         owners = list(_AT_EXIT.values())
     for owner in owners:
         if owner.stopped:

@@ -79,10 +79,11 @@ class HostPoolSizing:
 
 @dataclass(frozen=True)
 class RankPeers:
-    """This server's TP ranks as the budget sees them: their process ids (this rank's
-    included), and how many ranks SGLang places on each host."""
+    """This server's TP ranks as the budget sees them: their processes as ``(pid, start
+    ticks)`` (this rank's included; the start time tells a rank from an unrelated process of
+    the same pid on another host), and how many ranks SGLang places on each host."""
 
-    pids: frozenset[int]
+    processes: frozenset[tuple[int, int]]
     ranks_per_host: int = 1
 
     def per_rank_max_pages(self, refusal: HostBudgetExceeded) -> tuple[int, int] | None:
@@ -96,10 +97,12 @@ class RankPeers:
         if refusal.available_bytes is None or not refusal.bytes_per_page:
             return None
         own = os.getpid()
-        peers = [e for e in refusal.reservations if e.pid in self.pids and e.pid != own]
+        peers = [e for e in refusal.reservations
+                 if (e.pid, e.start_time_ticks) in self.processes and e.pid != own]
         held_bytes = sum(e.reserved_bytes for e in peers)
         ranks = max(self.ranks_per_host, 1 + len({e.pid for e in peers}))
-        return (refusal.available_bytes + held_bytes) // (ranks * refusal.bytes_per_page), ranks
+        shared_bytes = max(0, refusal.available_bytes + held_bytes)
+        return shared_bytes // (ranks * refusal.bytes_per_page), ranks
 
 
 def in_sglang_terms(refusal: HostBudgetExceeded, sizing: HostPoolSizing | None = None,

@@ -34,6 +34,7 @@ from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import _DsaStrategy
 from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope, ranks_per_host
 
 from ...errors import UnsupportedSettingError
+from ...host_memory.ledger import read_process_start_ticks
 from .engine import ServiceTransferEngine
 from .host_views import INDEXER, KV, ArenaViews
 from .sizing import RankPeers
@@ -194,17 +195,18 @@ def _agree_over_tp(pages: int, params: Any) -> int:
 def _rank_peers(params: Any) -> RankPeers:
     """The TP ranks' process ids (one all-reduce over the group; this rank's alone without
     one) and SGLang's ranks per host, for a budget refusal's advice."""
+    me = (os.getpid(), read_process_start_ticks(os.getpid()) or 0)
     group = _tp_group(params)
     if group is None:
-        return RankPeers(frozenset({os.getpid()}))
-    pids = torch.zeros(torch.distributed.get_world_size(group=group), dtype=torch.int64)
-    pids[torch.distributed.get_rank(group=group)] = os.getpid()
-    torch.distributed.all_reduce(pids, op=torch.distributed.ReduceOp.SUM, group=group)
+        return RankPeers(frozenset({me}))
+    table = torch.zeros((torch.distributed.get_world_size(group=group), 2), dtype=torch.int64)
+    table[torch.distributed.get_rank(group=group)] = torch.tensor(me)
+    torch.distributed.all_reduce(table, op=torch.distributed.ReduceOp.SUM, group=group)
     try:
         per_host = int(ranks_per_host())  # SGLang's own split of a host's memory
     except (RuntimeError, ValueError):
         per_host = 1
-    return RankPeers(frozenset(int(p) for p in pids.tolist()), max(1, per_host))
+    return RankPeers(frozenset((int(p), int(t)) for p, t in table.tolist()), max(1, per_host))
 
 
 def _all_over_tp(ok: bool, params: Any) -> bool:
