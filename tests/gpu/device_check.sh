@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One pass over everything that needs a CUDA device: the gpu-marked tests, the bench, and a
 # direct throughput probe of the CUDA engine against plain page-locked copies. Bounded in time
-# (eight minutes at most, usually far less), runs the repository in place, and prints a
-# compact report.
+# (about eight and a half minutes at most: 255 s tests, 90 s probe, 150 s bench; usually far
+# less), runs the repository in place, and prints a compact report.
 # The full log goes to ${OUT:-/tmp}/device_check.log.
 set -u -o pipefail
 
@@ -27,14 +27,18 @@ say "== gpu tests (engine, page-locking, and the service on cuda: tests/gpu/test
 [ -f tests/gpu/test_cuda_service.py ] || say "MISSING tests/gpu/test_cuda_service.py"
 # No asyncio plugin is needed by these tests; keep the run independent of the plugin's
 # ini options (strict config would reject them when the plugin is missing).
-# SIGINT on time-out, so pytest still prints its summary (what failed, and where it hung:
-# faulthandler dumps every thread of a test stuck for 100 s).
-timeout -s INT -k 15 240 python -m pytest -m gpu -q -rfEs -p no:cacheprovider -o addopts="" \
+# -v writes each test's outcome as it ends, so a run killed on time-out still shows what
+# passed and failed before it (a test blocked in a thread wait can outlast SIGINT's 15 s of
+# grace, and then pytest's summary is lost); faulthandler dumps every thread of a test stuck
+# for 100 s; SIGINT first, so the summary is printed whenever pytest can.
+timeout -s INT -k 15 240 python -m pytest -m gpu -v -rfEs -p no:cacheprovider -o addopts="" \
     -o faulthandler_timeout=100 -W "ignore::pytest.PytestConfigWarning" tests/gpu \
     >"$OUT_DIR/gpu_tests.log" 2>&1
 tests_rc=$?
 cat "$OUT_DIR/gpu_tests.log" >>"$LOG"
-grep -E '^(FAILED|ERROR)|passed|failed|error|skipped' "$OUT_DIR/gpu_tests.log" | tail -n 25
+grep -E '(FAILED|ERROR)|passed|failed|error' "$OUT_DIR/gpu_tests.log" | grep -v ' PASSED' \
+    | tail -n 25
+say "last test started: $(grep -E '::' "$OUT_DIR/gpu_tests.log" | tail -n 1)"
 say "gpu tests exit code: $tests_rc"
 
 say "== engine probe (device-timed, GB/s = 1e9 B/s)"

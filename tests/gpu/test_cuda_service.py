@@ -1,8 +1,9 @@
 """The CUDA backend through ``OffloadService(backend="cuda")``: ordering against the caller's
 streams, registration edges, stream ownership, sticky faults and device-true timeliness.
 
-Plain sync tests that run their own event loop, so they need no asyncio plugin (they also run
-with ``-p no:asyncio``). Each case is a property the service must keep on a real device; the
+Plain sync tests that run their own event loop, so they need no asyncio plugin (without one
+installed, run them as ``tests/gpu/device_check.sh`` does: ``-o addopts=""`` and the plugin's
+ini options ignored, since ``--strict-config`` refuses options of a plugin that is missing). Each case is a property the service must keep on a real device; the
 comment on each says which defect it would have caught.
 """
 
