@@ -36,8 +36,8 @@ timeout -s INT -k 15 240 python -m pytest -m gpu -v -rfEs -p no:cacheprovider -o
     >"$OUT_DIR/gpu_tests.log" 2>&1
 tests_rc=$?
 cat "$OUT_DIR/gpu_tests.log" >>"$LOG"
-grep -E '(FAILED|ERROR)|passed|failed|error' "$OUT_DIR/gpu_tests.log" | grep -v ' PASSED' \
-    | tail -n 25
+grep -E ' (FAILED|ERROR)( |$)|^(FAILED|ERROR) |(passed|failed|error|skipped).* in [0-9.]+s' \
+    "$OUT_DIR/gpu_tests.log" | tail -n 25
 say "last test started: $(grep -E '::' "$OUT_DIR/gpu_tests.log" | tail -n 1)"
 say "gpu tests exit code: $tests_rc"
 
