@@ -128,15 +128,17 @@ def _exit_script(tmp_path, body: list[str], **config) -> str:
     ])
 
 
-def test_a_forked_child_exits_and_the_parent_still_closes_at_exit(tmp_path):
-    """The exit hook runs only in the process that started the service: a child forked after
-    start exits at once, and the parent's exit still closes and returns the reservation."""
+def _fork_child_exits_and_parent_closes(tmp_path, before_fork: list[str],
+                                        after_fork: list[str] = ()) -> None:
+    """Run ``before_fork`` (it starts a service), fork a child that exits through the exit
+    handlers, run ``after_fork`` in the parent and wait for the child: the child must exit 0
+    and the parent's exit must close the service and return the reservation."""
     script = _exit_script(tmp_path, [
-        "service = ServiceThread.start(config, make_buffers(dsa_indexer(num_layers=2), 8))"
-        ".service",  # the host keeps only the service: the hook holds the owner
+        *before_fork,
         "pid = os.fork()",
         "if pid == 0:",
-        "    sys.exit(0)  # runs the exit handlers, the hook among them",
+        "    sys.exit(0)  # runs the exit handlers, the (inherited) hook among them",
+        *after_fork,
         "_, status = os.waitpid(pid, 0)",
         "print('child', os.waitstatus_to_exitcode(status), flush=True)",
     ])
@@ -146,10 +148,19 @@ def test_a_forked_child_exits_and_the_parent_still_closes_at_exit(tmp_path):
     assert HostLedger(str(tmp_path / "ledger")).peek() == ()
 
 
+def test_a_forked_child_exits_and_the_parent_still_closes_at_exit(tmp_path):
+    """The exit hook runs only in the process that started the service: a child forked after
+    start exits at once, and the parent's exit still closes and returns the reservation."""
+    _fork_child_exits_and_parent_closes(tmp_path, [
+        "service = ServiceThread.start(config, make_buffers(dsa_indexer(num_layers=2), 8))"
+        ".service",  # the host keeps only the service: the hook holds the owner
+    ])
+
+
 def test_a_child_forked_while_the_exit_registry_was_busy_still_exits(tmp_path):
     """A thread of the parent held the exit hook's lock at the fork (another service thread
     starting or stopping): the child's copy of the hook must not wait for that lock."""
-    script = _exit_script(tmp_path, [
+    _fork_child_exits_and_parent_closes(tmp_path, [
         "from dsa_async.integrations import loop_thread",
         "ServiceThread.start(config, make_buffers(dsa_indexer(num_layers=2), 8))",
         "held, go = threading.Event(), threading.Event()",
@@ -157,17 +168,7 @@ def test_a_child_forked_while_the_exit_registry_was_busy_still_exits(tmp_path):
         "    with loop_thread._AT_EXIT_LOCK:",
         "        held.set(); go.wait()",
         "threading.Thread(target=hold, daemon=True).start(); held.wait()",
-        "pid = os.fork()",
-        "if pid == 0:",
-        "    sys.exit(0)  # runs the exit handlers, the inherited hook among them",
-        "go.set()",
-        "_, status = os.waitpid(pid, 0)",
-        "print('child', os.waitstatus_to_exitcode(status), flush=True)",
-    ])
-    done = _run(script, timeout_s=60)
-    assert done.returncode == 0, done.stderr
-    assert "child 0" in done.stdout
-    assert HostLedger(str(tmp_path / "ledger")).peek() == ()
+    ], ["go.set()"])
 
 
 def test_exit_is_bounded_when_a_copy_never_ends(tmp_path):
@@ -291,24 +292,32 @@ def test_exit_after_a_stop_that_timed_out_still_waits_for_that_close(tmp_path):
     assert HostLedger(str(tmp_path / "ledger")).peek() == ()
 
 
+def _run_in_a_thread(owner: ServiceThread, make) -> tuple[threading.Thread, list]:
+    """``owner.run(make)`` on a thread of its own, started; the list gets its result or
+    the exception it raised."""
+    outcome: list[BaseException | object] = []
+
+    def call() -> None:
+        try:
+            outcome.append(owner.run(make))
+        except BaseException as exc:  # noqa: BLE001 - what the caller sees
+            outcome.append(exc)
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    return caller, outcome
+
+
 def test_a_run_still_going_when_stop_comes_ends_with_service_closed(tmp_path):
     owner = ServiceThread.start(_config(tmp_path), make_buffers(dsa_indexer(num_layers=2), 8),
                                 stop_at_exit=False)
-    outcome: list[BaseException | object] = []
     started = threading.Event()
 
     async def forever():
         started.set()
         await asyncio.sleep(3600)
 
-    def call() -> None:
-        try:
-            outcome.append(owner.run(forever))
-        except BaseException as exc:  # noqa: BLE001 - what the caller sees
-            outcome.append(exc)
-
-    caller = threading.Thread(target=call)
-    caller.start()
+    caller, outcome = _run_in_a_thread(owner, forever)
     assert started.wait(WAIT_S)
     owner.stop(WAIT_S)
     caller.join(WAIT_S)
@@ -385,16 +394,7 @@ def test_a_run_racing_stop_never_waits_forever(tmp_path):
             owner._life.closed.result(WAIT_S)  # the loop is ending now
             return asyncio.sleep(0)
 
-        outcome: list[BaseException | object] = []
-
-        def call() -> None:
-            try:
-                outcome.append(owner.run(make))
-            except BaseException as exc:  # noqa: BLE001 - what the caller sees
-                outcome.append(exc)
-
-        caller = threading.Thread(target=call)
-        caller.start()
+        caller, outcome = _run_in_a_thread(owner, make)
         caller.join(WAIT_S)
         assert not caller.is_alive(), f"run() waited forever (attempt {attempt})"
         assert outcome in ([None],) or isinstance(outcome[0], ServiceClosedError), outcome
