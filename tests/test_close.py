@@ -5,17 +5,21 @@ the ledger reservation returned and every request ended; a second close() return
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
+import threading
+import weakref
 
 import pytest
 from service_fixtures import make_buffers, make_service, tokens
 
 from dsa_async import Pages
 from dsa_async.config import PoolSize, ServiceConfig
-from dsa_async.errors import ServiceClosedError
+from dsa_async.errors import ConfigError, ServiceClosedError
 from dsa_async.front_door.service import OffloadService, ServiceState
 from dsa_async.geometry import dsa_indexer
 from dsa_async.host_memory.ledger import HostLedger
+from dsa_async.host_memory.pool import HostPool
 from dsa_async.transfer.batch import BatchHandle
 from dsa_async.transfer.cpu import CpuEngine
 
@@ -92,3 +96,49 @@ async def test_close_cancels_a_long_queue_in_one_pass(tmp_path):
     async with asyncio.timeout(8):
         await service.close()
     assert all(t.cancelled() for t in transfers)
+
+
+def _watch_arenas(pool, freed: list[str]) -> None:
+    """Record the thread on which each arena's memory is returned (its base allocation freed)."""
+    for arena in pool.arenas.values():
+        base = arena._base if arena._base is not None else arena
+        weakref.finalize(base, lambda: freed.append(threading.current_thread().name))
+
+
+async def test_close_returns_the_arenas_memory_off_the_loop(tmp_path):
+    # Unmapping gigabytes takes a few hundred ms: on the loop it would stall every request.
+    service, _ = make_service(tmp_path, with_kv=True)
+    freed: list[str] = []
+    async with asyncio.timeout(BOUND_S):
+        await service.start()
+        _watch_arenas(service.host_pool, freed)
+        done = await service.evict(tokens([1, 2]))
+        service.release(done.host_pages)
+        await service.close()
+        gc.collect()
+    assert len(freed) == 2, freed
+    assert threading.current_thread().name not in freed, freed
+
+
+async def test_a_failed_start_returns_the_arenas_memory_off_the_loop(tmp_path, monkeypatch):
+    # The error's traceback holds the failed steps' frames: their views of the arenas must not
+    # keep the memory until whoever drops the error (here, the loop's thread).
+    freed: list[str] = []
+    create = HostPool.create
+
+    def watched_create(*args, **kwargs):
+        pool = create(*args, **kwargs)
+        _watch_arenas(pool, freed)
+        return pool
+
+    monkeypatch.setattr(HostPool, "create", watched_create)
+    geometry = dsa_indexer(num_layers=2)
+    whole = make_buffers(geometry, 9)[0]
+    overlapping = [whole[:8], whole[1:]]  # refused after the pool was allocated
+    config = ServiceConfig(geometries=(geometry,), host_pool=PoolSize(pages=8), backend="cpu",
+                           ledger_directory=str(tmp_path / "ledger"))
+    async with asyncio.timeout(BOUND_S):
+        with pytest.raises(ConfigError) as refused:
+            await OffloadService(config, overlapping).start()
+    assert freed and threading.current_thread().name not in freed, freed
+    assert "share" in str(refused.value)

@@ -24,6 +24,7 @@ import functools
 import logging
 import math
 import time
+import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -167,7 +168,11 @@ class OffloadService:
         loop = asyncio.get_running_loop()
         try:
             await self._start(loop)
-        except BaseException:
+        except BaseException as exc:
+            # The error's traceback keeps the failed steps' frames, and their locals could
+            # keep the arenas alive (views of them): their memory is returned here, off the
+            # loop, not wherever the caller lets go of the error.
+            traceback.clear_frames(exc.__traceback__)
             try:
                 await self._release_resources()
             finally:
@@ -287,8 +292,12 @@ class OffloadService:
                 cancelled |= await awaited_to_the_end(monitor.stop())
             except Exception:  # noqa: BLE001 - logged; the rest must still be returned
                 log.exception("close(): the event-loop lag monitor failed to stop")
+        # The arenas (gigabytes) go with the last references to the pool and the engine: they
+        # are dropped on a worker thread, where unmapping them does not hold the loop.
+        doomed: list[object] = []
         if self._engine is not None:
             engine, self._engine = self._engine, None
+            doomed.append(engine)
             # Copies still blocked on a producer fail now instead of holding engine.close():
             # after a full drain there are none, but a close() that was itself cancelled (a
             # timeout around it) gets here without one.
@@ -305,11 +314,14 @@ class OffloadService:
                               "pool and the ledger reservation anyway", engine.backend.value)
             engine.handoff.drain_now()  # completions posted while closing
             engine.handoff.closed = True
+            engine = None
         if self._scheduler is not None:
             self._scheduler.abandon_unfinished()  # what the engine never reported ends now
             self._scheduler.detach()  # Transfers the caller keeps must not keep the arenas alive
-        self._pool = None  # the arenas go with the last reference (also after a failed start)
-        if self._reservation is not None:
+        doomed.append(self._pool)  # also after a failed start
+        self._pool = None
+        cancelled |= await awaited_to_the_end(asyncio.to_thread(doomed.clear))
+        if self._reservation is not None:  # after the memory went back
             reservation, self._reservation = self._reservation, None
             cancelled |= await awaited_to_the_end(asyncio.to_thread(reservation.release))
         if cancelled:
