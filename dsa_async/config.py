@@ -37,10 +37,10 @@ class PoolSize:
             if value is not None:
                 check_fits_int64(f"PoolSize.{name}", value)
         if self.max_pages is not None and given:
+            fixed = "pages" if self.pages is not None else "bytes"
             raise ConfigError(
-                f"PoolSize.max_pages caps auto sizing; with {'pages' if self.pages else 'bytes'} "
-                f"given it would be ignored: drop it, or drop {'pages' if self.pages else 'bytes'}"
-                f" to size the pool automatically")
+                f"PoolSize.max_pages caps auto sizing; with {fixed} given it would be ignored: "
+                f"drop it, or drop {fixed} to size the pool automatically")
 
     @classmethod
     def auto(cls, max_pages: int | None = None) -> PoolSize:

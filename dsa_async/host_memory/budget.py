@@ -131,9 +131,9 @@ class BudgetSnapshot:
     limiter_level: CgroupLevel | None  #: the limiting cgroup level, when ``limiter`` is CGROUP
 
 
-def check_probe_arguments(root: object, reserve_bytes: object, hugepages: object) -> None:
+def check_probe_arguments(root: object, reserve_bytes: object, hugepages: object) -> bool:
     """Raise ``ConfigError`` for arguments ``probe_host_budget`` cannot use (before it, or a
-    caller that takes a lock for it, does anything)."""
+    caller that takes a lock for it, does anything); return ``hugepages`` as a bool."""
     if root is not None and not isinstance(root, (str, os.PathLike)):
         raise ConfigError(f"root must be a directory path (str or os.PathLike) or None, got "
                           f"{shown(root)}")
@@ -141,7 +141,7 @@ def check_probe_arguments(root: object, reserve_bytes: object, hugepages: object
         isinstance(reserve_bytes, bool) or not isinstance(reserve_bytes, int) or reserve_bytes < 0
     ):
         raise ConfigError(f"reserve_bytes must be an int >= 0, got {shown(reserve_bytes)}")
-    as_flag("hugepages", hugepages)
+    return as_flag("hugepages", hugepages)
 
 
 def resolve_root(root: str | os.PathLike[str] | None = None) -> Path:
@@ -437,8 +437,7 @@ def probe_host_budget(
     ``reserve_bytes`` overrides the default reserve; ``hugepages`` says the arena is
     hugepage-backed, so free hugepages cap the budget too.
     """
-    check_probe_arguments(root, reserve_bytes, hugepages)
-    hugepages = as_flag("hugepages", hugepages)
+    hugepages = check_probe_arguments(root, reserve_bytes, hugepages)
     base = resolve_root(root)
     meminfo = _read_meminfo(base)
     levels = read_cgroup_levels(base)

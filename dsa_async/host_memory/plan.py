@@ -106,12 +106,11 @@ def _not_negative(name: str, value: object) -> int:
 def _check_pools(pools: Sequence[PageGeometry] | PageGeometry) -> tuple[PageGeometry, ...]:
     if isinstance(pools, PageGeometry):  # one pool, as ServiceConfig takes it
         pools = (pools,)
-    if isinstance(pools, (str, bytes)) or not isinstance(pools, Iterable):
+    if (isinstance(pools, (str, bytes)) or not isinstance(pools, Iterable)
+            or not (pools := tuple(pools))
+            or not all(isinstance(p, PageGeometry) for p in pools)):
         raise ConfigError(f"pools must be a non-empty sequence of PageGeometry, got "
                           f"{shown(pools)}")
-    pools = tuple(pools)
-    if not pools or not all(isinstance(p, PageGeometry) for p in pools):
-        raise ConfigError(f"pools must be a non-empty sequence of PageGeometry, got {pools!r}")
     names = [p.name for p in pools]
     if len(set(names)) != len(names):
         raise ConfigError(f"pool names must be distinct, got {names}")
@@ -169,8 +168,7 @@ def plan_pools(
     available_bytes = max(0, budget_snapshot.available_bytes - pending_bytes)
     max_pages_that_fit = available_bytes // (bytes_per_shared_page * ranks_per_host)
 
-    if requested_bytes is not None:
-        _positive("requested_bytes", requested_bytes)
+    if requested_bytes is not None:  # the sizing arguments were checked above
         num_pages = requested_bytes // bytes_per_shared_page
         if num_pages == 0:
             raise ConfigError(
@@ -178,14 +176,8 @@ def plan_pools(
                 f"size that holds one page of {'+'.join(p.name for p in pools)} is "
                 f"{format_bytes(bytes_per_shared_page)}"
             )
-    elif num_pages is not None:
-        _positive("num_pages", num_pages)
-    else:
-        cap = (
-            max_pages_that_fit
-            if max_pages is None
-            else min(_positive("max_pages", max_pages), max_pages_that_fit)
-        )
+    elif num_pages is None:
+        cap = max_pages_that_fit if max_pages is None else min(max_pages, max_pages_that_fit)
         num_pages = max(1, cap)  # auto asks for at least one page, so "nothing fits" is a refusal
 
     one_rank_bytes = num_pages * bytes_per_shared_page

@@ -37,8 +37,10 @@ from .extents import ExtentAllocator
 #: service can never pass for one of this pool's.
 _ALLOCATION_IDS = itertools.count(1)
 
-#: Every arena starts on a boundary of this many bytes: the host's memory page.
-ARENA_ALIGNMENT_BYTES = resource.getpagesize()
+#: The host's memory page: every arena starts on a boundary of it, and page-lock
+#: registrations cover whole pages of it (4 KiB on most x86 hosts, 64 KiB on many aarch64
+#: ones, e.g. Grace).
+HOST_PAGE_BYTES = resource.getpagesize()
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,7 @@ class HostPool:
                 shape = (g.num_layers, capacity_pages, g.bytes_per_page_per_layer)
             else:
                 shape = (capacity_pages, g.num_layers, g.bytes_per_page_per_layer)
-            arena = _aligned_empty(shape, ARENA_ALIGNMENT_BYTES)
+            arena = _aligned_empty(shape, HOST_PAGE_BYTES)
             arena.view(-1).zero_()  # first touch: parallel over torch's intra-op threads
             pool.arenas[g.name] = arena
         pool.startup_s = time.perf_counter() - started

@@ -302,7 +302,7 @@ def _join_bound_s(config: object) -> float | None:
 #: The service threads still to stop at exit, in the process that registered the hook.
 _AT_EXIT: dict[int, ServiceThread] = {}
 _AT_EXIT_LOCK = threading.Lock()
-_AT_EXIT_PID: list[int] = []  #: the process whose exit hook is registered (one per process)
+_AT_EXIT_PID = 0  #: the process whose exit hook is registered (one per process)
 
 
 def _stop_at_exit(owner: ServiceThread) -> None:
@@ -315,11 +315,12 @@ def _stop_at_exit(owner: ServiceThread) -> None:
     one stopped is let go, buffers and all), runs only in the process that started it (not in
     a forked child, where the loop thread does not exist), and waits a bounded time: also for
     a close that an earlier ``stop()`` started and gave up waiting for."""
+    global _AT_EXIT_PID
     with _AT_EXIT_LOCK:
         pid = os.getpid()
-        if _AT_EXIT_PID != [pid]:  # first here, or a forked child: the parent's are not ours
+        if _AT_EXIT_PID != pid:  # first here, or a forked child: the parent's are not ours
             _AT_EXIT.clear()
-            _AT_EXIT_PID[:] = [pid]
+            _AT_EXIT_PID = pid
             hook = functools.partial(_stop_all_at_exit, pid)  # a child inherits it: skipped
             register = getattr(threading, "_register_atexit", None)  # before those pools stop
             try:

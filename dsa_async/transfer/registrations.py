@@ -17,18 +17,16 @@ translated on its own. They need every page they touch to be mapped for the devi
 from __future__ import annotations
 
 import bisect
-import resource
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+# Registrations page-lock whole host pages, so chunk edges must fall on them (with 4 KiB
+# assumed on a 64 KiB-page host, neighbouring chunks of an arena would share a page and every
+# other chunk be refused as already registered).
+from ..host_memory.pool import HOST_PAGE_BYTES
+
 if TYPE_CHECKING:
     import torch
-
-#: The host's page size: registrations page-lock whole pages of it, so chunk edges must fall on
-#: them (4 KiB on most x86 hosts, 64 KiB on many aarch64 ones, e.g. Grace: with 4 KiB assumed
-#: there, neighbouring chunks of a torch-allocated arena would share a page and every other
-#: chunk be refused as already registered).
-HOST_PAGE_BYTES = resource.getpagesize()
 
 
 def tensor_span(tensor: "torch.Tensor") -> tuple[int, int]:

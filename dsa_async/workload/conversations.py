@@ -160,13 +160,11 @@ class _RepeatedKey(Exception):
 
 
 def _no_repeated_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
-    record = dict(pairs)
-    if len(record) != len(pairs):
-        seen: set[str] = set()
-        for key, _value in pairs:
-            if key in seen:
-                raise _RepeatedKey(key)
-            seen.add(key)
+    record: dict[str, object] = {}
+    for key, value in pairs:
+        if key in record:
+            raise _RepeatedKey(key)
+        record[key] = value
     return record
 
 

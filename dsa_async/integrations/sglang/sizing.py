@@ -120,7 +120,7 @@ def in_sglang_terms(refusal: HostBudgetExceeded, sizing: HostPoolSizing | None =
         fix = sizing.lower_fix(max_pages)
         if fix and ranks > 1:  # the values hold for every rank at once
             fix = f"with {ranks} ranks of this server on this host, {fix}"
-        message = _LOWER_POOL.sub(fix.replace("\\", "\\\\") if fix else "", message, count=1)
+        message = _LOWER_POOL.sub(lambda _match: fix or "", message, count=1)
         message = message.replace("to fix: , or ", "to fix: ")
     message = message.replace(HOST_POOL_SETTING, SGLANG_HOST_POOL_SETTING)
     message = message.replace(", or use auto", "").replace("to fix: use auto, or ", "to fix: ")

@@ -37,10 +37,10 @@ from ...errors import UnsupportedSettingError
 from ...host_memory.ledger import read_process_start_ticks
 from .engine import ServiceTransferEngine
 from .host_views import INDEXER, KV, ArenaViews
-from .sizing import RankPeers
 from .layer_counter import ServiceLayerCounter
 from .opt_in import opted_in
 from .refusals import check_supported, storage_backend_problem
+from .sizing import RankPeers
 
 log = logging.getLogger(__name__)
 
