@@ -18,6 +18,7 @@ same tokens, so one request moves page ``p`` in all of them.
 from __future__ import annotations
 
 import enum
+import resource
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +26,10 @@ import numpy as np
 from .errors import ConfigError, check_fits_int64, shown
 
 DSA_PAGE_SIZE_TOKENS = 64
+
+#: The host's memory page (4 KiB on most x86 hosts, 64 KiB on many aarch64 ones, e.g. Grace):
+#: every host arena starts on a boundary of it, and page-lock registrations cover whole pages.
+HOST_PAGE_BYTES = resource.getpagesize()
 DEEPSEEK_V32_LAYERS = 61
 
 

@@ -20,7 +20,6 @@ and zero-fills the arenas.
 from __future__ import annotations
 
 import itertools
-import resource
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -29,18 +28,13 @@ import numpy as np
 import torch
 
 from ..errors import ArgumentTypeError, PagesInFlightError, UnknownHostPagesError, shown
-from ..geometry import HostLayout, PageGeometry
+from ..geometry import HOST_PAGE_BYTES, HostLayout, PageGeometry
 from ..paging.runs import PageSeq, page_tokens
 from .extents import ExtentAllocator
 
 #: Allocation ids are unique across every pool of the process, so a handle from another
 #: service can never pass for one of this pool's.
 _ALLOCATION_IDS = itertools.count(1)
-
-#: The host's memory page: every arena starts on a boundary of it, and page-lock
-#: registrations cover whole pages of it (4 KiB on most x86 hosts, 64 KiB on many aarch64
-#: ones, e.g. Grace).
-HOST_PAGE_BYTES = resource.getpagesize()
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 # Registrations page-lock whole host pages, so chunk edges must fall on them (with 4 KiB
 # assumed on a 64 KiB-page host, neighbouring chunks of an arena would share a page and every
 # other chunk be refused as already registered).
-from ..host_memory.pool import HOST_PAGE_BYTES
+from ..geometry import HOST_PAGE_BYTES
 
 if TYPE_CHECKING:
     import torch
