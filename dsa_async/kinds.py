@@ -53,6 +53,8 @@ class BudgetKind(_FastEnum):
     LIMIT = "limit"
     RESERVED = "reserved"
     AVAILABLE = "available"
+    RESERVE = "reserve"
+    FREE = "free"
 
 
 class Backend(_FastEnum):

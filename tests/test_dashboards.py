@@ -42,7 +42,8 @@ def exported_sample_names() -> set[str]:
         registry,
         version="0",
         backend=Backend.CPU,
-        budget_reader=lambda: BudgetFigures(limit_bytes=1, reserved_bytes=0, available_bytes=1),
+        budget_reader=lambda: BudgetFigures(limit_bytes=1, reserved_bytes=0, available_bytes=1,
+                                                   reserve_bytes=0, free_bytes=1),
     )
     names = set()
     for line in generate_latest(registry).decode().splitlines():
@@ -236,7 +237,7 @@ def test_alert_rule_unit_tests_pass():
     "original, broken",
     [
         # Rules that never fire on the firing cases.
-        ("< 0.10", "< 0.01"),
+        ("0.5 * dsa_async_host_budget_bytes", "0.2 * dsa_async_host_budget_bytes"),
         ("> 0.20", "> 0.50"),
         ("[5m:30s]) > 0", "[5m:30s]) > 5"),
         # ... or that miss requests the engine holds (only the loop's queue)
@@ -246,7 +247,7 @@ def test_alert_rule_unit_tests_pass():
          "(min_over_time(dsa_async_queue_depth[5m]) + min_over_time(dsa_async_inflight_requests[5m]))"),
         ("increase(dsa_async_transfer_errors_total[5m]) > 0", "increase(dsa_async_transfer_errors_total[5m]) > 5"),
         # Rules that also fire on the quiet cases.
-        ("< 0.10", "< 0.60"),
+        ("0.5 * dsa_async_host_budget_bytes", "0.99 * dsa_async_host_budget_bytes"),
         ("> 0.20", "> 0.05"),
         ("increase(dsa_async_requests_total[5m])) == 0", "increase(dsa_async_requests_total[5m])) >= 0"),
         ("increase(dsa_async_transfer_errors_total[5m]) > 0", "increase(dsa_async_transfer_errors_total[5m]) >= 0"),

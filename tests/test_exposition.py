@@ -20,7 +20,8 @@ def registry() -> CollectorRegistry:
         registry,
         version="0.0.test",
         backend=Backend.CPU,
-        budget_reader=lambda: BudgetFigures(limit_bytes=100, reserved_bytes=40, available_bytes=60),
+        budget_reader=lambda: BudgetFigures(limit_bytes=100, reserved_bytes=40, available_bytes=60,
+                                                   reserve_bytes=5, free_bytes=65),
     )
     metrics.set_queue_depth(Direction.H2D, 5)
     return registry

@@ -58,7 +58,8 @@ class MutableBudget:
     """A budget reader whose figures the test changes between scrapes."""
 
     def __init__(self) -> None:
-        self.figures = BudgetFigures(limit_bytes=16 << 30, reserved_bytes=4 << 30, available_bytes=12 << 30)
+        self.figures = BudgetFigures(limit_bytes=16 << 30, reserved_bytes=4 << 30, available_bytes=12 << 30,
+                                     reserve_bytes=1 << 30, free_bytes=13 << 30)
         self.calls = 0
 
     def __call__(self) -> BudgetFigures:
@@ -150,10 +151,13 @@ def test_two_instances_on_one_registry_are_refused(registry, metrics, budget):
 def test_budget_is_read_at_scrape_time(registry, metrics, budget):
     calls_before = budget.calls
     assert value(registry, "dsa_async_host_budget_bytes", kind="available") == 12 << 30
-    budget.figures = BudgetFigures(limit_bytes=8 << 30, reserved_bytes=7 << 30, available_bytes=1 << 30)
+    budget.figures = BudgetFigures(limit_bytes=8 << 30, reserved_bytes=7 << 30, available_bytes=0,
+                                   reserve_bytes=400 << 20, free_bytes=300 << 20)
     assert value(registry, "dsa_async_host_budget_bytes", kind="limit") == 8 << 30
     assert value(registry, "dsa_async_host_budget_bytes", kind="reserved") == 7 << 30
-    assert value(registry, "dsa_async_host_budget_bytes", kind="available") == 1 << 30
+    assert value(registry, "dsa_async_host_budget_bytes", kind="available") == 0
+    assert value(registry, "dsa_async_host_budget_bytes", kind="reserve") == 400 << 20
+    assert value(registry, "dsa_async_host_budget_bytes", kind="free") == 300 << 20
     assert budget.calls > calls_before
 
 

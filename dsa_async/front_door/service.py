@@ -243,10 +243,13 @@ class OffloadService:
         """Scrape-time budget figures (blocking file reads; called from the scrape thread)."""
         snapshot = probe_host_budget(self.config.budget_root, reserve_bytes=self.config.reserve_bytes)
         entries = self._ledger.peek() if self._ledger is not None else ()
-        pending = sum(e.pending_bytes for e in entries)
+        pending = sum(e.pending_bytes for e in entries)  # not yet missing from MemAvailable
+        free_bytes = max(0, snapshot.available_before_reserve_bytes - pending)
         return BudgetFigures(limit_bytes=snapshot.limit_bytes,
                              reserved_bytes=sum(e.reserved_bytes for e in entries),
-                             available_bytes=max(0, snapshot.available_bytes - pending))
+                             available_bytes=max(0, free_bytes - snapshot.reserve_bytes),
+                             reserve_bytes=snapshot.reserve_bytes,
+                             free_bytes=free_bytes)
 
     async def close(self) -> None:
         """Stop admitting, drain, stop the engine, free the pool and the reservation.

@@ -64,12 +64,19 @@ class BudgetFigures:
 
     ``limit_bytes`` is what the machine/cgroup allows this process in total, ``reserved_bytes`` what
     the machine-wide ledger holds for pools already sized, ``available_bytes`` what a new pool may
-    still take.
+    still take. ``free_bytes`` is what is free for this process before the reserve is taken off
+    (the tightest of MemAvailable, cgroup headroom and free hugepages, less reservations not yet
+    allocated) and ``reserve_bytes`` the margin kept free for the rest of the machine, so
+    ``available_bytes == max(0, free_bytes - reserve_bytes)``. An auto-sized pool takes what is
+    available, which leaves ``free_bytes`` near ``reserve_bytes``; below it, the rest of the
+    machine is growing into the reserve.
     """
 
     limit_bytes: int
     reserved_bytes: int
     available_bytes: int
+    reserve_bytes: int
+    free_bytes: int
 
 
 BudgetReader = Callable[[], BudgetFigures]
@@ -114,7 +121,8 @@ class _BudgetCollector(Collector):
     HELP = (
         "Host-memory budget in bytes, read at scrape time: limit (what this process may use in "
         "total), reserved (held by pools on this machine's ledger), available (what a new pool "
-        "may still take)."
+        "may still take), reserve (kept free for the rest of the machine), free (free for this "
+        "process before the reserve: available = max(0, free - reserve))."
     )
 
     def __init__(self, reader: BudgetReader) -> None:
@@ -128,7 +136,7 @@ class _BudgetCollector(Collector):
         return [self._family()]
 
     def collect(self) -> Iterable[Metric]:
-        """Call the reader (blocks for as long as it does) and yield one family, three series."""
+        """Call the reader (blocks for as long as it does) and yield one family, five series."""
         try:
             figures = self._reader()
         except Exception:  # noqa: BLE001 - a failing probe must not break the whole scrape
@@ -139,6 +147,8 @@ class _BudgetCollector(Collector):
             BudgetKind.LIMIT: figures.limit_bytes,
             BudgetKind.RESERVED: figures.reserved_bytes,
             BudgetKind.AVAILABLE: figures.available_bytes,
+            BudgetKind.RESERVE: figures.reserve_bytes,
+            BudgetKind.FREE: figures.free_bytes,
         }
         for kind in BudgetKind:
             family.add_metric([kind.value], float(values[kind]))
