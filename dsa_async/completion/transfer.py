@@ -166,6 +166,8 @@ class Transfer:
                                        "an event loop: await the transfer instead")
             waited_from = time.perf_counter()
             if not request.wait_ended(bound_s):
+                if request.direction is H2D:
+                    request.give_up_wait(None, time.perf_counter() - waited_from)
                 raise TimeoutError(f"the {request.direction.value} of {request.num_pages} "
                                    f"pages did not end within {timeout_s} s (it keeps running)")
             waited_s = time.perf_counter() - waited_from
@@ -207,7 +209,11 @@ class Transfer:
             finally:
                 request.waiters.remove(waiter)
                 if prefetch:
-                    self._classify_all(time.perf_counter() - waited_from)
+                    waited_s = time.perf_counter() - waited_from
+                    if future.done():
+                        self._classify_all(waited_s)
+                    else:  # this await was cancelled: whoever uses the layers waited this too
+                        request.give_up_wait(None, waited_s)
         elif prefetch:
             self._classify_all(0.0)
         return future.result()
@@ -237,6 +243,9 @@ class Transfer:
         except TransferFailedError:
             request.observed = True
             raise
+        except asyncio.CancelledError:  # e.g. asyncio.wait_for's timeout: counted when used
+            request.give_up_wait(layer, time.perf_counter() - waited_from)
+            raise
         self._classify(layer, time.perf_counter() - waited_from)
 
     def wait_layer(self, layer: int, timeout_s: float | None = None) -> None:
@@ -262,6 +271,7 @@ class Transfer:
         if not started and not request.future.done():
             _refuse_on_a_loop_thread(layer)
         if not started and not request.wait_started(timeout_s):
+            request.give_up_wait(layer, time.perf_counter() - waited_from)
             raise TimeoutError(f"layer {layer}: the prefetch's copy did not start within "
                                f"{timeout_s} s (it stays queued)")
         handle = request.handle
@@ -293,6 +303,7 @@ class Transfer:
                 raise ServiceClosedError(f"layer {layer}: the service closed before the "
                                          f"prefetch copied it")
         except TimeoutError:
+            request.give_up_wait(layer, time.perf_counter() - waited_from)
             raise TimeoutError(f"layer {layer} was not ready within {timeout_s} s (the "
                                f"prefetch keeps running)") from None
         except TransferFailedError:
@@ -315,7 +326,8 @@ class Transfer:
         return index
 
     def _classify(self, layer: int, waited_s: float) -> None:
-        """Count ``layer`` once as on time or late. Any thread (metrics are thread-safe)."""
+        """Count ``layer`` once as on time or late, its wait including the waits consumers
+        gave up on before (``Request.give_up_wait``). Any thread (metrics are thread-safe)."""
         request = self._request
         with WAITER_LOCK:
             if request.layer_seen is None:
@@ -323,6 +335,9 @@ class Transfer:
             if request.layer_seen[layer]:
                 return
             request.layer_seen[layer] = 1
+            waited_s += request.given_up_all_s
+            if request.given_up_layer_s:
+                waited_s += request.given_up_layer_s.pop(layer, 0.0)
         if waited_s > 0.0:
             self._scheduler.record_layers(Timeliness.LATE, 1, waited_s)
         else:
@@ -339,14 +354,23 @@ class Transfer:
             seen = request.layer_seen
             if seen is None:
                 seen = request.layer_seen = bytearray(self._scheduler.num_layers)
-            unseen = seen.count(0)
+            waited_s += request.given_up_all_s
+            # layers a consumer gave up waiting for on their own count with that wait added
+            alone = [(layer, waited_s + given_up_s)
+                     for layer, given_up_s in (request.given_up_layer_s or {}).items()
+                     if not seen[layer]]
+            request.given_up_layer_s = None
+            unseen = seen.count(0) - len(alone)
             seen[:] = b"\x01" * len(seen)
+        record = self._scheduler.record_layers
+        for _layer, layer_waited_s in alone:
+            record(Timeliness.LATE, 1, layer_waited_s)
         if not unseen:
             return
         if waited_s > 0.0:
-            self._scheduler.record_layers(Timeliness.LATE, unseen, waited_s)
+            record(Timeliness.LATE, unseen, waited_s)
         else:
-            self._scheduler.record_layers(Timeliness.ON_TIME, unseen)
+            record(Timeliness.ON_TIME, unseen)
 
     def __repr__(self) -> str:
         r = self._request

@@ -50,7 +50,7 @@ class Request:
         "deps", "data_deps", "deps_left_queue", "handle", "batch_index", "state",
         "cancel_requested", "future", "started", "_start_waiter", "end_waiter", "layer_seen",
         "waiters", "loop_waits", "observed", "dropped", "device_indices", "count_wasted_at_end",
-        "__weakref__",
+        "given_up_all_s", "given_up_layer_s", "__weakref__",
     )
 
     def __init__(self, direction: Direction, device_pages: PageSeq, host_pages: PageSeq | None,
@@ -96,6 +96,12 @@ class Request:
         #: set when the request ends; made only if a thread waits for the end (Transfer.wait)
         self.end_waiter: threading.Event | None = None
         self.layer_seen: bytearray | None = None  # timeliness per layer, created lazily
+        #: time consumers spent waiting for this prefetch and gave up (a timeout, a cancelled
+        #: await) before the layers were ready: for all its layers (waits for the whole
+        #: prefetch) and per layer. Added to the wait of whoever then uses the layer, so a
+        #: consumer that polls with a timeout reads as late as one that blocks. WAITER_LOCK.
+        self.given_up_all_s = 0.0
+        self.given_up_layer_s: dict[int, float] | None = None
         self.waiters: list[asyncio.Future] | None = None  # one per task awaiting the Transfer
 
     def follow(self, deps) -> None:
@@ -153,6 +159,19 @@ class Request:
         if self.future.done():  # it ended while the waiter was being published
             return True
         return waiter.wait(timeout_s)
+
+    def give_up_wait(self, layer: int | None, waited_s: float) -> None:
+        """A consumer stopped waiting for ``layer`` (``None``: the whole prefetch) after
+        ``waited_s`` without it being ready. Any thread."""
+        if waited_s <= 0.0:
+            return
+        with WAITER_LOCK:
+            if layer is None:
+                self.given_up_all_s += waited_s
+            else:
+                if self.given_up_layer_s is None:
+                    self.given_up_layer_s = {}
+                self.given_up_layer_s[layer] = self.given_up_layer_s.get(layer, 0.0) + waited_s
 
     def take_unseen_loaded_layers(self) -> int:
         """How many layers this prefetch's copy loaded that no consumer waited for or awaited,

@@ -1,0 +1,148 @@
+"""A consumer that polls with a timeout reads as late as one that blocks: the waits it gave up
+on (a ``TimeoutError``, an ``asyncio.wait_for`` that cancelled its await) before a layer was
+ready count in that layer's lateness and in ``prefetch_wait_seconds`` once it uses the layer,
+whichever way it then uses it (per layer or the whole prefetch, on a thread or on the loop)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+import time
+
+import pytest
+from service_fixtures import make_service, tokens
+
+from dsa_async.kinds import Timeliness
+
+BOUND_S = 10  # generous: only proves nothing hangs
+POLL_S = 0.01
+POLLS_BEFORE_OPENING = 4
+LAYERS = 3
+
+
+def _figures(service) -> dict[str, float]:
+    get = service.registry.get_sample_value
+    out = {t.value: get("dsa_async_prefetch_layers_total", {"timeliness": t.value}) or 0.0
+           for t in Timeliness}
+    out["wait_sum_s"] = get("dsa_async_prefetch_wait_seconds_sum", {}) or 0.0
+    out["wait_count"] = get("dsa_async_prefetch_wait_seconds_count", {}) or 0.0
+    return out
+
+
+def _poll_on_thread(wait, gate: threading.Event) -> float:
+    """Call ``wait(POLL_S)`` until it stops timing out, opening ``gate`` (the prefetch's
+    producer) after a few timeouts; returns how long the timed-out calls took in all."""
+    given_up_s = 0.0
+    timeouts = 0
+    while True:
+        called = time.perf_counter()
+        try:
+            wait(POLL_S)
+            break
+        except TimeoutError:
+            given_up_s += time.perf_counter() - called
+            timeouts += 1
+            if timeouts == POLLS_BEFORE_OPENING:
+                gate.set()
+    assert timeouts >= POLLS_BEFORE_OPENING
+    return given_up_s
+
+
+async def _poll_on_loop(make_awaitable, gate: threading.Event) -> float:
+    given_up_s = 0.0
+    timeouts = 0
+    while True:
+        called = time.perf_counter()
+        try:
+            await asyncio.wait_for(make_awaitable(), POLL_S)
+            break
+        except TimeoutError:
+            given_up_s += time.perf_counter() - called
+            timeouts += 1
+            if timeouts == POLLS_BEFORE_OPENING:
+                gate.set()
+    assert timeouts >= POLLS_BEFORE_OPENING
+    return given_up_s
+
+
+async def _thread_layer(load, gate):
+    given_up_s = await asyncio.to_thread(_poll_on_thread, lambda t: load.wait_layer(0, t), gate)
+    await load  # the other layers, with the whole prefetch
+    return given_up_s
+
+
+async def _thread_whole(load, gate):
+    return await asyncio.to_thread(_poll_on_thread, load.wait, gate)
+
+
+async def _loop_layer(load, gate):
+    given_up_s = await _poll_on_loop(lambda: load.layer_ready(0), gate)
+    for layer in range(1, LAYERS):
+        await load.layer_ready(layer)
+    return given_up_s
+
+
+async def _loop_whole(load, gate):
+    return await _poll_on_loop(lambda: load, gate)
+
+
+async def _thread_layer_then_loop_whole(load, gate):
+    """Gives up on layer 0 on a thread, then awaits the whole prefetch on the loop."""
+    def give_up_twice() -> float:
+        called = time.perf_counter()
+        for _ in range(2):
+            with pytest.raises(TimeoutError):
+                load.wait_layer(0, POLL_S)
+        return time.perf_counter() - called
+
+    given_up_s = await asyncio.to_thread(give_up_twice)
+    gate.set()
+    await load
+    return given_up_s
+
+
+CONSUMERS = {"thread-layer": _thread_layer, "thread-whole": _thread_whole,
+             "loop-layer": _loop_layer, "loop-whole": _loop_whole,
+             "thread-layer-then-loop-whole": _thread_layer_then_loop_whole}
+
+
+@pytest.mark.parametrize("consume", sorted(CONSUMERS))
+async def test_waits_given_up_before_a_layer_was_ready_count_when_it_is_used(tmp_path, consume):
+    service, _ = make_service(tmp_path, layers=LAYERS)
+    async with service, asyncio.timeout(BOUND_S):
+        held = service.allocate_host_pages(2)
+        before = _figures(service)
+        gate = threading.Event()
+        load = service.prefetch(held, tokens([0, 1]), after=gate)
+        given_up_s = await CONSUMERS[consume](load, gate)
+        after = _figures(service)
+        delta = {k: after[k] - before[k] for k in after}
+        assert delta["late"] + delta["on_time"] == LAYERS and delta["wasted"] == 0, delta
+        assert delta["late"] >= 1, delta  # layer 0 (at least) was not ready when first asked
+        # layer 0's recorded wait covers the waits given up on before it was ready (each
+        # timed from inside the call, so a little shorter than the caller's clock says)
+        assert delta["wait_sum_s"] >= given_up_s * 0.8, (given_up_s, delta)
+        assert delta["wait_count"] >= 1, delta
+        service.release(held)
+
+
+async def test_a_wait_given_up_on_a_layer_that_was_never_used_counts_nothing(tmp_path):
+    """A consumer that gives up and drops the prefetch leaves its layers wasted, not late."""
+    service, _ = make_service(tmp_path, layers=LAYERS)
+    async with service, asyncio.timeout(BOUND_S):
+        held = service.allocate_host_pages(2)
+        before = _figures(service)
+        gate = threading.Event()
+        load = service.prefetch(held, tokens([0, 1]), after=gate)
+        with pytest.raises(TimeoutError):
+            await asyncio.to_thread(load.wait_layer, 0, POLL_S)
+        gate.set()
+        while not load.done():
+            await asyncio.sleep(0.001)
+        del load
+        gc.collect()
+        after = _figures(service)
+        assert after["wasted"] - before["wasted"] == LAYERS
+        assert after["late"] == before["late"] and after["wait_count"] == before["wait_count"]
+        service.release(held)
