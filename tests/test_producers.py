@@ -8,6 +8,7 @@ submit (tests/test_bad_input.py)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import concurrent.futures
 import gc
 import threading
@@ -231,7 +232,8 @@ async def test_a_failed_transfer_nobody_looked_at_is_logged_once_by_the_service(
     assert len(lines) == 1 and "producer crashed" in lines[0].getMessage()
 
 
-@pytest.mark.parametrize("path", ["call_threadsafe", "threadsafe-methods"])
+@pytest.mark.parametrize("path", ["call_threadsafe", "call_threadsafe-partial",
+                                  "call_threadsafe-lambda", "threadsafe-methods"])
 @pytest.mark.parametrize("direction", ["evict", "prefetch"])
 async def test_the_default_producer_is_captured_on_the_submitting_thread(tmp_path, direction,
                                                                          path):
@@ -255,11 +257,18 @@ async def test_the_default_producer_is_captured_on_the_submitting_thread(tmp_pat
             if path == "threadsafe-methods":
                 transfer = (service.evict_threadsafe(tokens([1]), host_tokens=held.token_indices())
                             if evict else service.prefetch_threadsafe(held, tokens([1])))
-            else:
+            elif path == "call_threadsafe":
                 transfer = (service.call_threadsafe(service.evict, tokens([1]),
                                                     host_tokens=held.token_indices())
                             if evict else service.call_threadsafe(service.prefetch, held,
                                                                   tokens([1]))).result(BOUND_S)
+            else:  # any callable that submits, not only the bound methods themselves
+                call = (functools.partial(service.evict, tokens([1]),
+                                          host_tokens=held.token_indices())
+                        if evict else functools.partial(service.prefetch, held, tokens([1])))
+                if path == "call_threadsafe-lambda":
+                    call = (lambda submit: lambda: submit())(call)
+                transfer = service.call_threadsafe(call).result(BOUND_S)
             transfer.wait(timeout_s=BOUND_S)
             return threading.get_ident()
 

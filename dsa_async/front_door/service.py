@@ -746,16 +746,18 @@ class OffloadService:
     def call_threadsafe(self, method: Callable[..., object], *args: object, **kwargs: object
                         ) -> concurrent.futures.Future:
         """From another thread (e.g. the forward pass): run ``method(*args, **kwargs)`` — one of
-        this service's request methods — on the loop; the future holds its return value."""
+        this service's request methods, or any callable that calls them — on the loop; the
+        future holds its return value. The default producer of every request it submits is
+        this thread's work up to this call (CUDA: an event on its current stream, recorded
+        here); does not block."""
         if self._loop is None:
             raise ServiceClosedError("the service has not started")
         future: concurrent.futures.Future = concurrent.futures.Future()
         # A request's default producer is the calling thread's work (CUDA: its current
-        # stream): capture it here, not on the loop thread that runs the method.
+        # stream): capture it here, not on the loop thread that runs the method. Whatever the
+        # callable (a bound method, a partial, a lambda, a subclass's override), it may submit.
         engine = self._engine
-        captured = (engine.capture_producer()
-                    if engine is not None and getattr(method, "__self__", None) is self
-                    and getattr(method, "__func__", None) in _SUBMIT_METHODS else _NOT_CAPTURED)
+        captured = engine.capture_producer() if engine is not None else _NOT_CAPTURED
 
         def run() -> None:
             if future.set_running_or_notify_cancel():
@@ -775,10 +777,6 @@ class OffloadService:
             raise ServiceClosedError("the service's event loop is closed: it runs no more "
                                      "calls") from None
         return future
-
-
-#: The request methods whose default producer ``call_threadsafe`` captures on the caller's thread.
-_SUBMIT_METHODS = (OffloadService.evict, OffloadService.prefetch)
 
 
 def _deadline_offset_s(deadline_s: object) -> float:
