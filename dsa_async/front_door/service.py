@@ -23,6 +23,7 @@ import enum
 import functools
 import logging
 import math
+import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping
@@ -154,6 +155,11 @@ class OffloadService:
         self.plan = None
         #: a producer captured on a submitting thread, for the request the loop runs now
         self._captured: object = _NOT_CAPTURED
+        #: call_threadsafe futures whose call has not run yet; once the service is closed they
+        #: fail and new calls are refused, so none is left pending by a loop that stops
+        self._calls_lock = threading.Lock()
+        self._calls_waiting: set[concurrent.futures.Future] = set()
+        self._calls_ended = False
         self._capacity_pages = 0  # host pages in all (read by submitting threads)
         self._inbox: ThreadInbox | None = None  # what threads without a loop hand over
         self._engine_defers_indices = False  # whether the engine may read any index late
@@ -177,6 +183,7 @@ class OffloadService:
                 await self._release_resources()
             finally:
                 self._state = ServiceState.CLOSED
+                self._end_threadsafe_calls()
                 self._start_ended.set()
             raise
         self._state = ServiceState.RUNNING
@@ -279,6 +286,7 @@ class OffloadService:
                 await self._release_resources()
             finally:  # CLOSED whatever happened, so a second close() never waits forever
                 self._state = ServiceState.CLOSED
+                self._end_threadsafe_calls()
                 self._closed.set()
 
     async def _release_resources(self) -> None:
@@ -749,10 +757,15 @@ class OffloadService:
         this service's request methods, or any callable that calls them — on the loop; the
         future holds its return value. The default producer of every request it submits is
         this thread's work up to this call (CUDA: an event on its current stream, recorded
-        here); does not block."""
+        here); does not block. Once the service is closed it raises ``ServiceClosedError``,
+        and a call its loop had not run by then fails with it: no future is left pending."""
         if self._loop is None:
             raise ServiceClosedError("the service has not started")
         future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._calls_lock:
+            if self._calls_ended:
+                raise ServiceClosedError("the service is closed: it runs no more calls")
+            self._calls_waiting.add(future)
         # A request's default producer is the calling thread's work (CUDA: its current
         # stream): capture it here, not on the loop thread that runs the method. Whatever the
         # callable (a bound method, a partial, a lambda, a subclass's override), it may submit.
@@ -760,6 +773,10 @@ class OffloadService:
         captured = engine.capture_producer() if engine is not None else _NOT_CAPTURED
 
         def run() -> None:
+            with self._calls_lock:
+                if future not in self._calls_waiting:
+                    return  # the service closed first and failed it
+                self._calls_waiting.discard(future)
             if future.set_running_or_notify_cancel():
                 self._captured = captured
                 try:
@@ -771,12 +788,25 @@ class OffloadService:
 
         try:
             self._loop.call_soon_threadsafe(run)
-        except RuntimeError:  # the loop closed: nothing runs there any more
-            if not self._loop.is_closed():
-                raise
-            raise ServiceClosedError("the service's event loop is closed: it runs no more "
-                                     "calls") from None
+        except BaseException as exc:
+            with self._calls_lock:
+                self._calls_waiting.discard(future)
+            if isinstance(exc, RuntimeError) and self._loop.is_closed():
+                raise ServiceClosedError("the service's event loop is closed: it runs no more "
+                                         "calls") from None
+            raise
         return future
+
+    def _end_threadsafe_calls(self) -> None:
+        """Once closed: refuse new ``call_threadsafe`` calls and fail those the loop has not
+        run (a loop that stops after ``close()`` may never run them). Loop thread."""
+        with self._calls_lock:
+            self._calls_ended = True
+            waiting, self._calls_waiting = self._calls_waiting, set()
+        for future in waiting:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(ServiceClosedError(
+                    "the service closed before its loop ran this call"))
 
 
 def _deadline_offset_s(deadline_s: object) -> float:
