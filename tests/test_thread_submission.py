@@ -30,7 +30,8 @@ from dsa_async.bench import thread_scenarios
 from dsa_async.bench.measure import MIN_PAIRS
 from dsa_async.bench.runner import BenchConfig, run_bench
 from dsa_async.errors import (ArgumentTypeError, ArgumentValueError, HostPoolExhausted,
-                              IndexTypeError, IndexValueError, PageAlignmentError, QueueFullError,
+                              IndexTypeError, IndexValueError, PageAlignmentError,
+                              PagesInFlightError, QueueFullError,
                               ServiceClosedError, TransferFailedError, UnknownHostPagesError,
                               WrongThreadError)
 from dsa_async.kinds import Backend
@@ -612,16 +613,51 @@ async def test_a_failed_request_raises_its_error_in_the_waiting_thread(tmp_path)
                 statistics.queued_requests) == (0, 0, 0)
 
 
-async def test_a_handle_released_on_the_loop_before_the_loop_takes_the_load_fails_it(tmp_path):
-    service, _ = make_service(tmp_path, layers=LAYERS, host_pages=8, device_pages=8)
+async def test_a_release_on_the_loop_after_a_thread_handed_over_a_load_of_it_is_refused(tmp_path):
+    """The loop heard of the load before it released: the load is taken first, so the release
+    is refused while it runs, as for a load submitted on the loop."""
+    service, buffers = make_service(tmp_path, layers=LAYERS, host_pages=8, device_pages=8)
     async with service, asyncio.timeout(BOUND_S):
         backup = await service.evict(tokens([1]))
+        expected = page_bytes(buffers, [1])
         load = while_the_loop_is_blocked(
             lambda: service.prefetch_threadsafe(backup.host_pages, tokens([2])))
-        service.release(backup.host_pages)  # before the loop took the load
-        with pytest.raises(UnknownHostPagesError):
-            await load
+        with pytest.raises(PagesInFlightError):
+            service.release(backup.host_pages)  # before the loop took the load
+        await load
+        assert same_bytes(page_bytes(buffers, [2]), expected)
+        service.release(backup.host_pages)
         assert service.statistics().used_pages == 0
+
+
+@pytest.mark.parametrize("direction", ["evict", "prefetch"])
+async def test_host_pages_a_thread_named_are_not_given_to_anyone_else_before_its_copy(
+        tmp_path, direction):
+    """A thread hands over a copy into (or out of) held host pages; the loop, having heard of
+    it, releases them and allocates anew: the release is refused, so the new allocation never
+    gets pages that copy still uses, and no one's bytes are overwritten."""
+    service, buffers = make_service(tmp_path, layers=LAYERS, host_pages=2, device_pages=8)
+    async with service, asyncio.timeout(BOUND_S):
+        held = service.allocate_host_pages(2)
+        if direction == "prefetch":
+            await service.evict(tokens([0, 1]), host_tokens=held.token_indices())
+            submit = lambda: service.prefetch_threadsafe(  # noqa: E731
+                None, tokens([6, 7]), host_tokens=held.token_indices())
+        else:
+            submit = lambda: service.evict_threadsafe(  # noqa: E731
+                tokens([0, 1]), host_tokens=held.token_indices())
+        transfer = while_the_loop_is_blocked(submit)
+        with pytest.raises(PagesInFlightError):
+            service.release(held)
+        with pytest.raises(HostPoolExhausted):
+            service.allocate_host_pages(2)  # nothing was freed
+        await transfer
+        service.release(held)
+        other = service.allocate_host_pages(2)
+        await service.evict(tokens([4, 5]), host_tokens=other.token_indices())
+        await service.prefetch(other, tokens([2, 3]))
+        assert same_bytes(page_bytes(buffers, [2, 3]), page_bytes(buffers, [4, 5]))
+        service.release(other)
 
 
 async def test_cancelling_a_transfer_the_loop_has_not_taken_yet_cancels_it(tmp_path):
@@ -795,18 +831,18 @@ async def test_a_handle_can_be_released_from_threads_once(tmp_path):
 
 
 async def test_a_release_on_the_loop_after_one_from_a_thread_is_refused(tmp_path, caplog):
-    """A handle released from a thread, then released or loaded on the loop before the loop
-    took that release: both are refused at the call, the pages come back once, nothing is
-    logged."""
+    """A handle released from a thread, then loaded or released on the loop: both are
+    refused at the call (a load before the loop took that release; a release takes the
+    threads' hand-offs first), the pages come back once, nothing is logged."""
     service, _ = make_service(tmp_path, layers=LAYERS, host_pages=8, device_pages=8)
     async with service, asyncio.timeout(BOUND_S):
         handle = service.allocate_host_pages(2)
         while_the_loop_is_blocked(lambda: service.release_threadsafe(handle))
-        with pytest.raises(UnknownHostPagesError, match="already released .from a thread"):
-            service.release(handle)  # before the loop took the thread's release
         with pytest.raises(UnknownHostPagesError, match="released .from a thread"):
-            service.prefetch(handle, tokens([1, 2]))  # nor may a load read it any more
-        await in_thread(lambda: None)  # now it has
+            service.prefetch(handle, tokens([1, 2]))  # a load may not read it any more
+        with pytest.raises(UnknownHostPagesError, match="already released"):
+            service.release(handle)
+        await in_thread(lambda: None)
         assert service.statistics().used_pages == 0
         with pytest.raises(UnknownHostPagesError):
             service.release(handle)

@@ -452,9 +452,10 @@ class OffloadService:
         """:meth:`prefetch` from a thread without an event loop, as :meth:`evict_threadsafe`.
 
         A ``host`` handle that is not a live allocation of this service (or whose release was
-        already posted) raises here; one released on the loop before the request gets there
-        fails the transfer (``UnknownHostPagesError``), as ``host_tokens`` outside live
-        allocations do. ``deadline_s`` counts from this call, on the loop's clock. Safe on
+        already posted) raises here; one released on the loop while this call ran fails the
+        transfer (``UnknownHostPagesError``), as ``host_tokens`` outside live allocations do
+        (a release on the loop after this call takes this request first and is refused while
+        it uses the pages). ``deadline_s`` counts from this call, on the loop's clock. Safe on
         any thread; does not block (a short lock).
         """
         scheduler = self._running()
@@ -711,9 +712,15 @@ class OffloadService:
     def release(self, host: HostPages) -> None:
         """Return host pages to the pool now. Raises ``PagesInFlightError`` (changing nothing)
         while a copy reads or writes them, ``UnknownHostPagesError`` for a stale handle. Loop
-        thread (``WrongThreadError`` elsewhere: threads use :meth:`release_threadsafe`)."""
+        thread (``WrongThreadError`` elsewhere: threads use :meth:`release_threadsafe`).
+
+        Requests that threads handed over before this call are taken first, so a copy a
+        thread submitted into these pages refuses the release as a loop submission does
+        (without that, its pages could be allocated anew before it ran, and it would copy
+        into or out of the new owner's pages)."""
         scheduler = self._running_here("release()", "use release_threadsafe() there")
         _check_handle(host)
+        self._inbox.drain()
         self._inbox.release_here(host, scheduler.release_host)  # or a thread's release won
         scheduler.schedule_flush()  # evictions waiting for space may go now; gauges follow
 
