@@ -660,6 +660,56 @@ async def test_host_pages_a_thread_named_are_not_given_to_anyone_else_before_its
         service.release(other)
 
 
+class _PausingTokens(list):
+    """Device tokens as a list that holds the submitting thread inside its call, the first
+    time their length is asked, until ``go`` is set: the loop acts in the middle of a
+    submission, deterministically."""
+
+    def __init__(self, values, inside: threading.Event, go: threading.Event) -> None:
+        super().__init__(values)
+        self.inside, self.go = inside, go
+
+    def __len__(self) -> int:
+        if not self.inside.is_set():
+            self.inside.set()
+            assert self.go.wait(BOUND_S)
+        return super().__len__()
+
+
+@pytest.mark.parametrize("direction", ["evict", "prefetch"])
+async def test_host_pages_released_and_allocated_anew_during_a_threads_submit_fail_it(
+        tmp_path, direction):
+    """The loop releases held host pages and allocates them anew while a thread is inside a
+    submission that names them: the request fails when the loop takes it, and the new owner's
+    bytes are not overwritten (nor read as the thread's)."""
+    service, buffers = make_service(tmp_path, layers=LAYERS, host_pages=2, device_pages=8)
+    async with service, asyncio.timeout(BOUND_S):
+        held = service.allocate_host_pages(2)
+        inside, go = threading.Event(), threading.Event()
+        device = _PausingTokens(tokens([6, 7] if direction == "prefetch" else [0, 1]).tolist(),
+                                inside, go)
+        if direction == "prefetch":
+            submit = lambda: service.prefetch_threadsafe(  # noqa: E731
+                None, device, host_tokens=held.token_indices())
+        else:
+            submit = lambda: service.evict_threadsafe(  # noqa: E731
+                device, host_tokens=held.token_indices())
+        submitted = on_plain_thread(submit)
+        assert await asyncio.to_thread(inside.wait, BOUND_S)
+        service.release(held)
+        other = service.allocate_host_pages(2)  # the same pages: the pool has no others
+        await service.evict(tokens([4, 5]), host_tokens=other.token_indices())
+        expected_on_6_7 = page_bytes(buffers, [6, 7])
+        go.set()
+        transfer = await asyncio.wrap_future(submitted)
+        with pytest.raises(UnknownHostPagesError, match="released while this request"):
+            await transfer
+        assert same_bytes(page_bytes(buffers, [6, 7]), expected_on_6_7)  # nothing loaded
+        await service.prefetch(other, tokens([2, 3]))
+        assert same_bytes(page_bytes(buffers, [2, 3]), page_bytes(buffers, [4, 5]))
+        service.release(other)
+
+
 async def test_cancelling_a_transfer_the_loop_has_not_taken_yet_cancels_it(tmp_path):
     service, _ = make_service(tmp_path, layers=LAYERS, host_pages=8, device_pages=8)
     async with service, asyncio.timeout(BOUND_S):

@@ -439,11 +439,13 @@ class OffloadService:
         does not block (a short lock).
         """
         scheduler = self._running()
+        releases_seen = self._releases_so_far()
         transfer, loop_producers = self._prepare_evict(
             scheduler, device_tokens, host_tokens, after, priority, _NOT_CAPTURED, on_loop=False,
             indices_after=indices_after)
         check = HostCheck.NONE if host_tokens is None else HostCheck.ALLOCATED
-        self._inbox.post(PostedRequest(transfer._request, loop_producers, check))
+        self._inbox.post(PostedRequest(transfer._request, loop_producers, check,
+                                       releases_seen=releases_seen))
         return transfer
 
     def prefetch_threadsafe(self, host: HostPages | None, device_tokens, *, host_tokens=None,
@@ -459,12 +461,22 @@ class OffloadService:
         any thread; does not block (a short lock).
         """
         scheduler = self._running()
+        releases_seen = self._releases_so_far()
         transfer, loop_producers = self._prepare_prefetch(
             scheduler, host, device_tokens, host_tokens, after, deadline_s, priority,
             _NOT_CAPTURED, on_loop=False, indices_after=indices_after)
         check = HostCheck.ALLOCATED if host is None else HostCheck.HANDLE
-        self._inbox.post(PostedRequest(transfer._request, loop_producers, check, host))
+        self._inbox.post(PostedRequest(transfer._request, loop_producers, check, host,
+                                       releases_seen))
         return transfer
+
+    def _releases_so_far(self) -> int:
+        """The pool's release count, read on a submitting thread before it names host pages
+        (one attribute read)."""
+        pool = self._pool  # read once: close() may detach it meanwhile
+        if pool is None:
+            raise ServiceClosedError("the service is closing or closed")
+        return pool.releases
 
     def release_threadsafe(self, host: HostPages) -> None:
         """:meth:`release` from a thread without an event loop, without waiting for the loop.
@@ -502,6 +514,14 @@ class OffloadService:
                 scheduler.check_releasable(posted.handle)
             elif posted.host_check is HostCheck.ALLOCATED:
                 scheduler.check_host_tokens(request.host_pages, "host_tokens")
+                page = self._pool.first_released_since(request.host_pages,
+                                                       posted.releases_seen)
+                if page is not None:
+                    raise UnknownHostPagesError(
+                        f"host_tokens names host page {page}, which was released while this "
+                        f"request was on its way from its thread (and may hold another "
+                        f"allocation's data now); submit with pages of an allocation that "
+                        f"stays held until the transfer ends")
         except UnknownHostPagesError as exc:
             error = exc
         if error is None and not request.cancel_requested:

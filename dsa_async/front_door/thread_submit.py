@@ -49,14 +49,19 @@ class HostCheck(enum.Enum):
 class PostedRequest:
     """A request prepared on a thread, waiting to be accepted on the loop."""
 
-    __slots__ = ("request", "loop_producers", "host_check", "handle", "counted")
+    __slots__ = ("request", "loop_producers", "host_check", "handle", "releases_seen",
+                 "counted")
 
     def __init__(self, request: Request, loop_producers: tuple[object, ...],
-                 host_check: HostCheck, handle: HostPages | None = None) -> None:
+                 host_check: HostCheck, handle: HostPages | None = None,
+                 releases_seen: int = 0) -> None:
         self.request = request
         self.loop_producers = loop_producers  #: asyncio futures / events, watched on the loop
         self.host_check = host_check
         self.handle = handle  #: the prefetch's handle, for ``HostCheck.HANDLE``
+        #: the pool's release count when the thread began the call, for
+        #: ``HostCheck.ALLOCATED``: pages released after it changed hands under the request
+        self.releases_seen = releases_seen
         #: counts against the queue bound: an empty request never queues (it ends as taken)
         self.counted = request.num_pages != 0
 

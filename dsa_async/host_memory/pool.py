@@ -102,6 +102,11 @@ class HostPool:
         self._live: dict[int, HostPages] = {}
         #: allocations plus releases so far: changes whenever pages change hands
         self.changes = 0
+        #: releases so far, and per page the number of the release that last freed it: a
+        #: thread that read ``releases`` before naming pages learns on the loop whether they
+        #: changed hands since (``first_released_since``)
+        self.releases = 0
+        self._released_at = np.zeros(capacity_pages, dtype=np.int64)
         self._batch_run: list[int] | None = None  # [start, pages]: taken, not yet handed out
 
     @classmethod
@@ -213,8 +218,28 @@ class HostPool:
             )
         del self._live[handle.allocation_id]
         self.changes += 1
+        self.releases += 1
+        released_at = self._released_at
         for start, n in handle.runs:
             self._extents.free(start, n)
+            released_at[start:start + n] = self.releases
+
+    def first_released_since(self, pages: PageSeq, releases_seen: int) -> int | None:
+        """The first of ``pages`` freed by a release after the first ``releases_seen``
+        releases (read from ``releases`` earlier), or ``None``. Loop thread."""
+        if self.releases == releases_seen:
+            return None
+        if type(pages) is range and pages.step == 1:
+            stamps = self._released_at[max(pages.start, 0):max(pages.stop, 0)]
+            offset = max(pages.start, 0)
+        else:
+            index = np.fromiter(pages, dtype=np.int64, count=len(pages))
+            index = index[(index >= 0) & (index < self.capacity_pages)]
+            stamps, offset = self._released_at[index], None
+        late = np.flatnonzero(stamps > releases_seen)
+        if not len(late):
+            return None
+        return int(late[0]) + offset if offset is not None else int(index[late[0]])
 
     def statistics(self) -> HostPoolStatistics:
         assert self._batch_run is None, "end_batch() was not called"
