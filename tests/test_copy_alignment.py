@@ -97,3 +97,38 @@ async def test_rows_aligned_in_a_block_that_starts_unaligned_round_trip(tmp_path
         for layer, expected in zip(layers, want, strict=True):
             assert torch.equal(layer[target], expected)
         service.release(backup.host_pages)
+
+
+@pytest.mark.parametrize("narrow_layer", [0, 1, 2])
+async def test_layers_whose_storages_share_a_start_but_not_a_size_round_trip(tmp_path,
+                                                                           narrow_layer):
+    """Per-layer tensors over one buffer through storages made separately (numpy slices of a
+    shared or mapped buffer): one layer's storage covers only that layer, the others' the whole
+    buffer, all starting at one address. Accepted at start and copied exactly, whichever layer
+    has the narrow storage."""
+    g = dsa_indexer(num_layers=LAYERS)
+    row = g.bytes_per_page_per_layer
+    buf = np.random.default_rng(narrow_layer).integers(0, 256, LAYERS * DEVICE_PAGES * row,
+                                                       dtype=np.uint8)
+    whole = torch.from_numpy(buf)
+    layer_bytes = DEVICE_PAGES * row
+    layers = [whole[i * layer_bytes:(i + 1) * layer_bytes].view(DEVICE_PAGES, row)
+              for i in range(LAYERS)]
+    if narrow_layer == 0:  # a storage of its own, as long as the layer, at the buffer's start
+        layers[0] = torch.from_numpy(buf[:layer_bytes]).view(DEVICE_PAGES, row)
+    else:  # a storage from the buffer's start up to the end of this layer only
+        end = (narrow_layer + 1) * layer_bytes
+        layers[narrow_layer] = torch.from_numpy(buf[:end])[end - layer_bytes:].view(
+            DEVICE_PAGES, row)
+    want = [t.clone() for t in layers]
+    config = ServiceConfig(geometries=(g,), host_pool=PoolSize(pages=HOST_PAGES), backend="cpu",
+                           ledger_directory=str(tmp_path / "ledger"))
+    async with OffloadService(config, layers) as service, asyncio.timeout(60):
+        pages = np.random.default_rng(1).choice(DEVICE_PAGES, 12, replace=False)
+        backup = await service.evict(_tokens(pages))
+        for t in layers:
+            t[torch.from_numpy(pages)] = 0
+        await service.prefetch(backup.host_pages, _tokens(pages))
+        for layer in range(LAYERS):
+            assert torch.equal(layers[layer], want[layer]), layer
+        service.release(backup.host_pages)

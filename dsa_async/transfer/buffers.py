@@ -80,8 +80,14 @@ def _fused_view(layers: list[torch.Tensor]) -> torch.Tensor | None:
     if step < base.numel() or any(b - a != step for a, b in zip(offsets, offsets[1:])):
         return None
     rows, row_bytes = base.shape
-    return torch.as_strided(base, (len(layers), rows, row_bytes), (step, row_bytes, 1),
-                            base.storage_offset())
+    # Storages made separately over the same memory (slices of one buffer through numpy or
+    # frombuffer) start at one address but may each cover only part of it: view the layers
+    # through the largest, and only if it covers them all.
+    widest = max(layers, key=lambda t: t.untyped_storage().nbytes())
+    if offsets[0] + step * (len(layers) - 1) + rows * row_bytes > widest.untyped_storage().nbytes():
+        return None
+    return torch.as_strided(widest, (len(layers), rows, row_bytes), (step, row_bytes, 1),
+                            offsets[0])
 
 
 @dataclass(frozen=True)
