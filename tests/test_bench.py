@@ -380,8 +380,10 @@ async def test_front_door_at_scale_reports_its_figures_and_fragments_as_defined(
                           progress=lambda line: None)
     assert run.errors == {}  # the scenario raises when fragmenting leaves other holes
     names = {"scheduler.scattered_us_per_page", "scheduler.fragmented_us_per_request",
-             "scheduler.fragmented_overhead_ratio"}
+             "scheduler.fragmented_overhead_ratio", "scheduler.one_page_holes_overhead_ratio"}
     assert set(run.results) == names
+    for tokens in scale_scenarios._one_page_requests(200, seed=1):  # one page each, any offset
+        assert len(tokens) >= 1 and int(tokens[0]) // 64 == int(tokens[-1]) // 64
     for name in names:
         assert run.results[name] > 0 and TARGETS[name].target is not None
     # The command line never runs below the minimum figure size, so it always measures at the

@@ -958,5 +958,7 @@ async def test_the_threadsafe_bench_figure_is_measured_as_defined():
     run = await run_bench(BenchConfig(backend=Backend.CPU, pairs=MIN_PAIRS),
                           [thread_scenarios.threadsafe], progress=lambda line: None)
     assert run.errors == {}  # the scenario raises if host pages stay held after its rounds
-    assert set(run.results) == {thread_scenarios.THREADSAFE_RATIO.name}
+    assert set(run.results) == {thread_scenarios.THREADSAFE_RATIO.name,
+                                thread_scenarios.THREADSAFE_US.name}
     assert run.results[thread_scenarios.THREADSAFE_RATIO.name] > 0
+    assert run.results[thread_scenarios.THREADSAFE_US.name] > 0

@@ -21,10 +21,12 @@ from ..kinds import Direction
 from ..transfer.buffers import bind_pool
 from ..transfer.cuda_copy import (
     DEFAULT_STAGING_BYTES,
+    TIMING_EVENTS_PER_BATCH,
     BatchCopy,
     DeviceStaging,
     PoolTarget,
     issue_batch,
+    record_layer_events,
 )
 from ..transfer.pinning import DEFAULT_CHUNK_BYTES, chunk_ranges
 from ..transfer.registrations import RegistrationMap
@@ -33,8 +35,9 @@ from .cuda_calls import CudaCallCounter
 from .registry import BenchContext, Comparison, Target, register_scenario, register_target
 
 _DEFINITION = (
-    "CUDA calls (memcpy calls, kernel launches and index uploads alike) that the CUDA "
-    "backend's issue code (plan, index upload, every layer) makes per layer for one pool "
+    "CUDA calls (memcpy calls, kernel launches, index uploads and event records alike) that "
+    "the CUDA backend's issue code (plan, index upload, every layer, a load's per-layer "
+    "readiness events, each batch's start and end events) makes per layer for one pool "
     "(DSA indexer, layer_first host, separate per-layer device tensors, host arena mapped "
     "for the device, 1 GiB registration chunks, default staging), averaged over the D2H and "
     "the H2D batch of the {figure} page pairs (one batch of >= 128 MiB each); counted by "
@@ -84,14 +87,39 @@ def calls_per_layer(ctx: BenchContext, pattern: PagePattern) -> float:
     calls = 0
     for direction in Direction:
         counter = CudaCallCounter()
+        events = _CountedEvents(counter)
         with counter:
             copy = BatchCopy(host, dev, [target], direction, staging, registrations)
             copy.upload_index()
-            issue_batch(copy, g.num_layers)
+            # as the engine issues a batch (cuda.py, _issue): a start event, the layers (a
+            # load records each layer's readiness event after it), an end event
+            events.record_timing(TIMING_EVENTS_PER_BATCH)
+            readiness = None if direction is Direction.D2H else (
+                lambda first, last: record_layer_events(first, last, events.take, None, []))
+            issue_batch(copy, g.num_layers, after_group=readiness)
         calls += counter.calls
         ctx.progress(f"cuda calls, {pattern.value} {direction.value}: {counter.calls} "
                      f"({dict(counter.by_op)}) for {g.num_layers} layers")
     return calls / (2 * g.num_layers)
+
+
+class _CountedEvents:
+    """Stand-ins for the engine's CUDA events: each ``record`` counts one call on the
+    stream in ``counter`` (an event record is one, as a memcpy or a launch is)."""
+
+    def __init__(self, counter: CudaCallCounter) -> None:
+        self._counter = counter
+
+    def take(self) -> _CountedEvents:
+        return self
+
+    def record(self, _stream: object = None) -> None:
+        self._counter.calls += 1
+        self._counter.by_op["event_record"] += 1
+
+    def record_timing(self, events: int) -> None:
+        for _ in range(events):
+            self.record()
 
 
 @register_scenario

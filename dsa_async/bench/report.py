@@ -4,10 +4,12 @@ JSON schema::
 
     {"results": {figure: number, ...},
      "targets": {figure: {"comparison": ">=" | "<=", "target": number | null, "unit": str,
-                          "better": "higher" | "lower", "met": bool | null,
-                          "definition": str}, ...},
+                          "better": "higher" | "lower" | null (null: reported, no target),
+                          "met": bool | null, "definition": str}, ...},
      "machine": {"cpu_count", "usable_cpus", "torch_version", "threads", "backend",
-                 "device_name", "python", "platform", "pairs", "figure_bytes", "elapsed_s"},
+                 "device_name", "python", "platform", "llc_bytes", "load_average_1m_start",
+                 "load_average_1m_end", "pairs", "figure_bytes", "elapsed_s"},
+     "verified": [case whose moved bytes were compared with their source, ...],
      "errors": {scenario: message}            (only when a scenario failed)
      "throughput": {"batch_pages": [...], "engine_gbps": [...], ...}   (only with --plot)}
 """
@@ -123,7 +125,7 @@ def to_json(run: BenchRun, targets: Mapping[str, Target]) -> dict[str, Any]:
                 "comparison": t.comparison.value,
                 "target": t.target,
                 "unit": t.unit,
-                "better": t.better,
+                "better": None if t.target is None else t.better,
                 "met": t.met(run.results[name]) if name in run.results else None,
                 "definition": t.definition,
             }

@@ -43,6 +43,13 @@ FRAGMENTED_RATIO = register_target(Target(
     "held, in the same run: 5 interleaved pairs (3 rounds with the pool empty, then 3 with it "
     "fragmented afresh), after one warm-up round; per pair the ratio of the median rounds; "
     "median of the pairs"))
+ONE_PAGE_HOLES_RATIO = register_target(Target(
+    "scheduler.one_page_holes_overhead_ratio", Comparison.AT_MOST, 1.5, "x",
+    "1,000 evictions of one page each (a token range inside one page, at a random in-page "
+    "offset; no-op engine; submitted, awaited together and released, as "
+    "scheduler.overhead_us_per_request) on a 1-layer indexer pool of 262,144 pages in which "
+    "every other page is held (131,072 one-page holes) / the same on the pool with nothing "
+    "held, pairs as in scheduler.fragmented_overhead_ratio (DESIGN's 131k free holes)"))
 
 
 @dataclass(frozen=True)
@@ -92,7 +99,6 @@ async def _scattered_us_per_page(ctx: BenchContext, sizes: ScaleSizes) -> float:
     async with service:
         for round_ in range(max(ctx.pairs, 5) + 1):
             ctx.check_stop()
-            gc.collect()  # the previous round's garbage is not this round's cost
             started = time.perf_counter()
             for tokens in requests:
                 service.release((await service.evict(tokens)).host_pages)
@@ -117,33 +123,52 @@ def _fragment(service: OffloadService, run_pages: int) -> list:
 
 
 async def _rounds_us(service: OffloadService, requests: list[torch.Tensor]) -> list[float]:
-    """``ROUNDS_PER_STATE`` overhead rounds, each after a collection of the previous garbage."""
-    rounds = []
-    for _ in range(ROUNDS_PER_STATE):
-        gc.collect()
-        rounds.append(await overhead_round_us(service, requests))
-    return rounds
+    """``ROUNDS_PER_STATE`` overhead rounds. The collector runs as it would in a server
+    (a full collection over the handles held can land in a round: medians of rounds)."""
+    return [await overhead_round_us(service, requests) for _ in range(ROUNDS_PER_STATE)]
 
 
-async def _fragmented_figures(ctx: BenchContext, sizes: ScaleSizes) -> dict[str, float]:
+async def _holes_pairs(ctx: BenchContext, sizes: ScaleSizes, run_pages: int,
+                       requests: list[torch.Tensor]) -> tuple[list[float], list[float]]:
+    """Pairs of (empty, fragmented into ``run_pages`` holes) rounds of ``requests``: every
+    fragmented round (us per request), and per pair the ratio of the median rounds."""
     service, _ = bench_service(ctx, sizes.fragmented_pool_pages, NoopEngine, DEVICE_PAGES,
                                dsa_indexer(num_layers=1))
-    requests = token_requests(1000, ctx.seed)
-    empty_us, fragmented_us, ratios = [], [], []
+    fragmented_us, ratios = [], []
     async with service:
         await overhead_round_us(service, requests)  # warms allocators and caches
         for _ in range(FRAGMENTED_PAIRS):
             ctx.check_stop()
             empty = await _rounds_us(service, requests)
-            held = _fragment(service, sizes.fragmented_run_pages)
+            held = _fragment(service, run_pages)
             fragmented = await _rounds_us(service, requests)
             for handle in held:
                 service.release(handle)
-            empty_us += empty
+            del held
+            gc.collect()  # the dropped handles are not the next pair's empty rounds' cost
             fragmented_us += fragmented
             ratios.append(statistics.median(fragmented) / statistics.median(empty))
+    return fragmented_us, ratios
+
+
+def _one_page_requests(count: int, seed: int) -> list[torch.Tensor]:
+    """Token ranges inside one page each, at random pages and in-page offsets."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(count):
+        page, first = int(rng.integers(DEVICE_PAGES)), int(rng.integers(64))
+        last = int(rng.integers(first, 64))
+        out.append(torch.arange(page * 64 + first, page * 64 + last + 1))
+    return out
+
+
+async def _fragmented_figures(ctx: BenchContext, sizes: ScaleSizes) -> dict[str, float]:
+    fragmented_us, ratios = await _holes_pairs(ctx, sizes, sizes.fragmented_run_pages,
+                                               token_requests(1000, ctx.seed))
+    _, one_page_ratios = await _holes_pairs(ctx, sizes, 1, _one_page_requests(1000, ctx.seed))
     return {FRAGMENTED.name: statistics.median(fragmented_us),
-            FRAGMENTED_RATIO.name: statistics.median(ratios)}
+            FRAGMENTED_RATIO.name: statistics.median(ratios),
+            ONE_PAGE_HOLES_RATIO.name: statistics.median(one_page_ratios)}
 
 
 @register_scenario
@@ -153,6 +178,7 @@ def scheduler_at_scale(ctx: BenchContext) -> dict[str, float]:
                  f"{sizes.scattered_request_pages} scattered pages per round")
     figures = {SCATTERED.name: ctx.run_on_loop(_scattered_us_per_page(ctx, sizes))}
     ctx.progress(f"{FRAGMENTED.name}: a pool of {sizes.fragmented_pool_pages} pages with "
-                 f"{sizes.fragmented_pool_pages // (2 * sizes.fragmented_run_pages)} holes")
+                 f"{sizes.fragmented_pool_pages // (2 * sizes.fragmented_run_pages)} holes, "
+                 f"then {sizes.fragmented_pool_pages // 2} one-page holes")
     figures.update(ctx.run_on_loop(_fragmented_figures(ctx, sizes)))
     return figures

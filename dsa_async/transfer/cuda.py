@@ -73,6 +73,7 @@ from .cuda_copy import (
     DeviceStaging,
     PoolTarget,
     issue_batch,
+    record_layer_events,
 )
 from .event_waits import wait_for, wait_in_order
 from .handoff import LoopHandoff
@@ -540,10 +541,9 @@ class CudaEngine(TransferEngine):
 
     def _issue_h2d(self, handle: BatchHandle, copy: BatchCopy, lane: _Lane) -> None:
         def layers_issued(first: int, last: int) -> None:
-            for _ in range(first, last):
-                event = lane.layer_events.take()
-                event.record(lane.stream)  # layer readiness: after every pool's copy of it
-                handle.layer_events.append(event)
+            # layer readiness: after every pool's copy of it
+            record_layer_events(first, last, lane.layer_events.take, lane.stream,
+                                handle.layer_events)
             handle.mark_issued(last)
 
         issue_batch(copy, self.num_layers, self._fault_hook_for(handle), layers_issued)

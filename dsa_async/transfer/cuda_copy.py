@@ -212,6 +212,22 @@ class BatchCopy:
                 plan.issue(first, min(last, layers))
 
 
+#: Events the engine records on the copy stream per batch, around its copies: the start (for
+#: device timing) and the end (timing, and what later batches on the same pages wait for).
+TIMING_EVENTS_PER_BATCH = 2
+
+
+def record_layer_events(first: int, last: int, take_event: Callable[[], object],
+                        stream: object, into: list) -> None:
+    """Record one event per layer of ``[first, last)`` on ``stream``, after those layers'
+    copies were issued there: a load's per-layer readiness (the engine's ``after_group``).
+    Appends them to ``into``; never blocks."""
+    for _ in range(first, last):
+        event = take_event()
+        event.record(stream)
+        into.append(event)
+
+
 def issue_batch(copy: BatchCopy, num_layers: int,
                 before_group: Callable[[int], None] | None = None,
                 after_group: Callable[[int, int], None] | None = None) -> None:
