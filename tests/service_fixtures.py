@@ -34,6 +34,26 @@ class CaptureRecordingEngine(CpuEngine):
         return None
 
 
+class DeviceDecides(CpuEngine):
+    """Copies as the CPU engine does, but rules on lateness as the CUDA engine does: only a
+    consumer that waited on the device counts as late (none here), never a thread's own wait
+    for the copy to start. Its copies are done by the time it hands a batch back, so a
+    consumer woken by the start finds its layer already copied (gate its requests with loop
+    producers: an engine producer would hold the loop in ``submit``)."""
+
+    waits_on_device = True
+    BOUND_S = 10
+
+    def submit(self, batch):
+        handle = super().submit(batch)
+        handle.wait_ready(self.num_layers - 1, self.BOUND_S)
+        return handle
+
+    def wait_layer(self, handle, layer, timeout_s, classify):
+        handle.wait_ready(layer, timeout_s)
+        classify(False, 0.0)
+
+
 class LateIndexEngine(CpuEngine):
     """The CPU engine, deferring every index *tensor* the way the CUDA engine defers CUDA ones:
     submit checks only its shape, and the worker reads the values when it resolves the batch,

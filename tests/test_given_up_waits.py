@@ -11,8 +11,11 @@ import threading
 import time
 
 import pytest
-from service_fixtures import make_service, tokens
+from service_fixtures import DeviceDecides, make_buffers, make_service, tokens
 
+from dsa_async.config import PoolSize, ServiceConfig
+from dsa_async.front_door.service import OffloadService
+from dsa_async.geometry import dsa_indexer
 from dsa_async.kinds import Timeliness
 
 BOUND_S = 10  # generous: only proves nothing hangs
@@ -107,6 +110,12 @@ CONSUMERS = {"thread-layer": _thread_layer, "thread-whole": _thread_whole,
              "thread-layer-then-loop-whole": _thread_layer_then_loop_whole}
 
 
+#: Observations of prefetch_wait_seconds each way of consuming makes: one for a wait for the
+#: whole prefetch, one more for a layer waited for alone before it.
+OBSERVATIONS = {"thread-layer": 2, "thread-whole": 1, "loop-layer": 2, "loop-whole": 1,
+                "thread-layer-then-loop-whole": 1}
+
+
 @pytest.mark.parametrize("consume", sorted(CONSUMERS))
 async def test_waits_given_up_before_a_layer_was_ready_count_when_it_is_used(tmp_path, consume):
     service, _ = make_service(tmp_path, layers=LAYERS)
@@ -115,16 +124,62 @@ async def test_waits_given_up_before_a_layer_was_ready_count_when_it_is_used(tmp
         before = _figures(service)
         gate = threading.Event()
         load = service.prefetch(held, tokens([0, 1]), after=gate)
+        consumed_from = time.perf_counter()
         given_up_s = await CONSUMERS[consume](load, gate)
+        consumed_s = time.perf_counter() - consumed_from
         after = _figures(service)
         delta = {k: after[k] - before[k] for k in after}
         assert delta["late"] + delta["on_time"] == LAYERS and delta["wasted"] == 0, delta
         assert delta["late"] >= 1, delta  # layer 0 (at least) was not ready when first asked
         # layer 0's recorded wait covers the waits given up on before it was ready (each
-        # timed from inside the call, so a little shorter than the caller's clock says)
+        # timed from inside the call, so a little shorter than the caller's clock says) ...
         assert delta["wait_sum_s"] >= given_up_s * 0.8, (given_up_s, delta)
-        assert delta["wait_count"] >= 1, delta
+        # ... and counts each of them once: the waits observed add up to no more than the
+        # consumer's time, in as many observations as blocking waits would make
+        assert delta["wait_sum_s"] <= consumed_s, (consumed_s, delta)
+        assert 1 <= delta["wait_count"] <= OBSERVATIONS[consume], delta
         service.release(held)
+
+
+class _FromThread:
+    """``set()`` of an asyncio event, callable from any thread."""
+
+    def __init__(self, event: asyncio.Event) -> None:
+        self._event, self._loop = event, asyncio.get_running_loop()
+
+    def set(self) -> None:
+        self._loop.call_soon_threadsafe(self._event.set)
+
+
+async def test_where_the_device_decides_polling_reads_as_blocking_does(tmp_path):
+    """On an engine that rules on lateness on the device, a thread's host time waiting for a
+    layer's copy to be issued is not lateness, whether it blocks or polls with a timeout."""
+    geometry = dsa_indexer(num_layers=LAYERS)
+    counts = {}
+    for polls in (False, True):
+        config = ServiceConfig(geometries=(geometry,), host_pool=PoolSize(pages=8),
+                               backend="cpu", ledger_directory=str(tmp_path / f"l{polls}"))
+        service = OffloadService(config, {geometry.name: make_buffers(geometry, 8)},
+                                 engine_factory=DeviceDecides)
+        async with service, asyncio.timeout(BOUND_S):
+            held = service.allocate_host_pages(2)
+            before = _figures(service)
+            opened = asyncio.Event()  # a loop producer: the engine gets the batch once set
+            gate = _FromThread(opened)
+            load = service.prefetch(held, tokens([0, 1]), after=opened)
+            if polls:
+                await asyncio.to_thread(_poll_on_thread, lambda t: load.wait_layer(0, t), gate)
+            else:
+                waiting = asyncio.ensure_future(asyncio.to_thread(load.wait_layer, 0, BOUND_S))
+                await asyncio.to_thread(time.sleep, POLLS_BEFORE_OPENING * POLL_S)
+                gate.set()
+                await waiting
+            await asyncio.to_thread(lambda: [load.wait_layer(i) for i in range(1, LAYERS)])
+            after = _figures(service)
+            counts[polls] = {k: after[k] - before[k] for k in ("late", "on_time", "wait_count")}
+            await load
+            service.release(held)
+    assert counts[True] == counts[False] == {"late": 0, "on_time": LAYERS, "wait_count": 0}
 
 
 async def test_a_wait_given_up_on_a_layer_that_was_never_used_counts_nothing(tmp_path):

@@ -212,3 +212,28 @@ def test_a_run_ahead_that_does_not_fit_falls_back_to_best_fit():
     got = pool.allocate(2, ahead_pages=2)  # no single extent holds 4 pages
     pool.end_batch()
     assert got.runs == ((0, 2),) and pool.statistics().free_pages == 2
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_first_released_since_names_the_first_page_a_later_release_freed(seed):
+    """Against a reference kept here: after random allocations and releases, for random
+    page sets (ranges, short and long lists), the first page freed after a given release."""
+    rng = np.random.default_rng(seed)
+    pool = HostPool([dsa_indexer(num_layers=1)], 512)
+    freed_by: dict[int, int] = {}  # page -> number of the release that last freed it
+    live = []
+    for _ in range(300):
+        if live and rng.random() < 0.45:
+            handle = live.pop(int(rng.integers(len(live))))
+            pool.release(handle)
+            for page in handle.page_seq:
+                freed_by[page] = pool.releases
+        elif (handle := pool.allocate(int(rng.integers(1, 9)))) is not None:
+            live.append(handle)
+        seen = int(rng.integers(0, pool.releases + 1))
+        start = int(rng.integers(0, 500))
+        for pages in (range(start, start + int(rng.integers(1, 12))),
+                      rng.choice(512, int(rng.integers(1, 9)), replace=False).tolist(),
+                      rng.choice(512, 200, replace=False).tolist()):
+            want = next((p for p in pages if freed_by.get(p, 0) > seen), None)
+            assert pool.first_released_since(pages, seen) == want, (pages, seen)

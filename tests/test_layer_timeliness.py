@@ -11,13 +11,12 @@ import asyncio
 import gc
 
 import pytest
-from service_fixtures import make_buffers, make_service, tokens
+from service_fixtures import DeviceDecides, make_buffers, make_service, tokens
 
 from dsa_async.config import PoolSize, ServiceConfig
 from dsa_async.front_door.service import OffloadService
 from dsa_async.geometry import dsa_indexer
 from dsa_async.kinds import Timeliness
-from dsa_async.transfer.cpu import CpuEngine
 
 BOUND_S = 10  # generous: only proves nothing hangs
 LAYERS = 3
@@ -87,30 +86,12 @@ async def test_a_prefetch_nobody_used_counts_its_layers_as_wasted(tmp_path, read
         service.release(held)
 
 
-class _DeviceDecides(CpuEngine):
-    """Copies as the CPU engine does, but rules on lateness as the CUDA engine does: only a
-    consumer that waited on the device counts as late (none here), never a thread's own wait
-    for the copy to start. Its copies are done by the time it hands a batch back, so a
-    consumer woken by the start finds its layer already copied."""
-
-    waits_on_device = True
-
-    def submit(self, batch):
-        handle = super().submit(batch)
-        handle.wait_ready(self.num_layers - 1, BOUND_S)
-        return handle
-
-    def wait_layer(self, handle, layer, timeout_s, classify):
-        handle.wait_ready(layer, timeout_s)
-        classify(False, 0.0)
-
-
 async def test_where_the_device_decides_a_wait_for_the_start_is_not_lateness(tmp_path):
     geometry = dsa_indexer(num_layers=LAYERS)
     config = ServiceConfig(geometries=(geometry,), host_pool=PoolSize(pages=8), backend="cpu",
                            ledger_directory=str(tmp_path / "ledger"))
     service = OffloadService(config, {geometry.name: make_buffers(geometry, 8)},
-                             engine_factory=_DeviceDecides)
+                             engine_factory=DeviceDecides)
     async with service, asyncio.timeout(BOUND_S):
         held = service.allocate_host_pages(2)
         before = _layer_counts(service)

@@ -271,7 +271,7 @@ class Transfer:
         if not started and not request.future.done():
             _refuse_on_a_loop_thread(layer)
         if not started and not request.wait_started(timeout_s):
-            request.give_up_wait(layer, time.perf_counter() - waited_from)
+            self._give_up_layer(layer, waited_from)
             raise TimeoutError(f"layer {layer}: the prefetch's copy did not start within "
                                f"{timeout_s} s (it stays queued)")
         handle = request.handle
@@ -303,7 +303,7 @@ class Transfer:
                 raise ServiceClosedError(f"layer {layer}: the service closed before the "
                                          f"prefetch copied it")
         except TimeoutError:
-            request.give_up_wait(layer, time.perf_counter() - waited_from)
+            self._give_up_layer(layer, waited_from)
             raise TimeoutError(f"layer {layer} was not ready within {timeout_s} s (the "
                                f"prefetch keeps running)") from None
         except TransferFailedError:
@@ -325,9 +325,17 @@ class Transfer:
                                      f"{layers} layers (0..{layers - 1})")
         return index
 
+    def _give_up_layer(self, layer: int, waited_from: float) -> None:
+        """``wait_layer`` stopped waiting for ``layer``: carry the time, unless the engine
+        rules on lateness on the device (a blocking wait there does not count its host time
+        either)."""
+        if not self._scheduler.waits_on_device:
+            self._request.give_up_wait(layer, time.perf_counter() - waited_from)
+
     def _classify(self, layer: int, waited_s: float) -> None:
         """Count ``layer`` once as on time or late, its wait including the waits consumers
-        gave up on before (``Request.give_up_wait``). Any thread (metrics are thread-safe)."""
+        gave up on before (``Request.give_up_wait``), each observed once. Any thread
+        (metrics are thread-safe)."""
         request = self._request
         with WAITER_LOCK:
             if request.layer_seen is None:
@@ -335,11 +343,12 @@ class Transfer:
             if request.layer_seen[layer]:
                 return
             request.layer_seen[layer] = 1
-            waited_s += request.given_up_all_s
-            if request.given_up_layer_s:
-                waited_s += request.given_up_layer_s.pop(layer, 0.0)
+            given_up_s, late = request.take_given_up((layer,))
+        waited_s += given_up_s
         if waited_s > 0.0:
             self._scheduler.record_layers(Timeliness.LATE, 1, waited_s)
+        elif late:  # its consumer gave up on it before; that wait was observed already
+            self._scheduler.record_layers(Timeliness.LATE, 1)
         else:
             self._scheduler.record_layers(Timeliness.ON_TIME, 1)
 
@@ -354,23 +363,24 @@ class Transfer:
             seen = request.layer_seen
             if seen is None:
                 seen = request.layer_seen = bytearray(self._scheduler.num_layers)
-            waited_s += request.given_up_all_s
-            # layers a consumer gave up waiting for on their own count with that wait added
-            alone = [(layer, waited_s + given_up_s)
-                     for layer, given_up_s in (request.given_up_layer_s or {}).items()
-                     if not seen[layer]]
-            request.given_up_layer_s = None
-            unseen = seen.count(0) - len(alone)
+            unseen_layers = [layer for layer, used in enumerate(seen) if not used]
+            own = request.given_up_layer_s or {}
+            gave_up_alone = sum(1 for layer in unseen_layers if layer in own)
+            all_late = waited_s > 0.0 or request.gave_up_on_all
+            given_up_s, _ = request.take_given_up(unseen_layers)
             seen[:] = b"\x01" * len(seen)
-        record = self._scheduler.record_layers
-        for _layer, layer_waited_s in alone:
-            record(Timeliness.LATE, 1, layer_waited_s)
-        if not unseen:
+        if not unseen_layers:
             return
-        if waited_s > 0.0:
-            record(Timeliness.LATE, unseen, waited_s)
-        else:
-            record(Timeliness.ON_TIME, unseen)
+        waited_s += given_up_s
+        record = self._scheduler.record_layers
+        # late: all of them when this wait (or one for the whole prefetch given up on) found
+        # them not ready, else the layers a consumer gave up on alone; one observation of the
+        # waits for all of them, as a blocking wait for the whole prefetch makes
+        late = len(unseen_layers) if all_late else gave_up_alone
+        if late:
+            record(Timeliness.LATE, late, waited_s if waited_s > 0.0 else None)
+        if len(unseen_layers) - late:
+            record(Timeliness.ON_TIME, len(unseen_layers) - late)
 
     def __repr__(self) -> str:
         r = self._request

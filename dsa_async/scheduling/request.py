@@ -50,7 +50,7 @@ class Request:
         "deps", "data_deps", "deps_left_queue", "handle", "batch_index", "state",
         "cancel_requested", "future", "started", "_start_waiter", "end_waiter", "layer_seen",
         "waiters", "loop_waits", "observed", "dropped", "device_indices", "count_wasted_at_end",
-        "given_up_all_s", "given_up_layer_s", "__weakref__",
+        "given_up_all_s", "gave_up_on_all", "given_up_layer_s", "__weakref__",
     )
 
     def __init__(self, direction: Direction, device_pages: PageSeq, host_pages: PageSeq | None,
@@ -98,9 +98,11 @@ class Request:
         self.layer_seen: bytearray | None = None  # timeliness per layer, created lazily
         #: time consumers spent waiting for this prefetch and gave up (a timeout, a cancelled
         #: await) before the layers were ready: for all its layers (waits for the whole
-        #: prefetch) and per layer. Added to the wait of whoever then uses the layer, so a
+        #: prefetch; observed once, with the first layers then used, which like every layer
+        #: used after it count as late) and per layer (observed with that layer). So a
         #: consumer that polls with a timeout reads as late as one that blocks. WAITER_LOCK.
         self.given_up_all_s = 0.0
+        self.gave_up_on_all = False
         self.given_up_layer_s: dict[int, float] | None = None
         self.waiters: list[asyncio.Future] | None = None  # one per task awaiting the Transfer
 
@@ -168,10 +170,27 @@ class Request:
         with WAITER_LOCK:
             if layer is None:
                 self.given_up_all_s += waited_s
+                self.gave_up_on_all = True
             else:
                 if self.given_up_layer_s is None:
                     self.given_up_layer_s = {}
                 self.given_up_layer_s[layer] = self.given_up_layer_s.get(layer, 0.0) + waited_s
+
+    def take_given_up(self, layers) -> tuple[float, bool]:
+        """With WAITER_LOCK held, as ``layers`` are first used: the given-up wait not yet
+        observed that belongs to them (taken: it is observed once), and whether any consumer
+        gave up waiting for them (then they count as late even with nothing left to
+        observe)."""
+        waited_s, self.given_up_all_s = self.given_up_all_s, 0.0
+        late = self.gave_up_on_all
+        own = self.given_up_layer_s
+        if own:
+            for layer in layers:
+                layer_s = own.pop(layer, None)
+                if layer_s is not None:
+                    waited_s += layer_s
+                    late = True
+        return waited_s, late
 
     def take_unseen_loaded_layers(self) -> int:
         """How many layers this prefetch's copy loaded that no consumer waited for or awaited,
