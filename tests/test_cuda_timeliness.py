@@ -250,3 +250,34 @@ def test_a_device_error_while_recycling_still_ends_the_batch_and_keeps_the_threa
     engine._complete_loop(lane)
     assert reported == handles and all(h.finished and h.error is None for h in handles)
     assert classified == [False, False]
+
+
+def test_engine_threads_that_cannot_select_the_device_still_end_every_batch(monkeypatch):
+    """A sticky device error when the engine's threads start (set_device raises): the issue
+    thread fails every batch instead of dying, and the completion thread ends them, so no
+    request or close() waits for ever."""
+    def unusable(device) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(cuda_module.torch.cuda, "set_device", unusable)
+    engine = engine_with_probes()
+    reported = []
+    monkeypatch.setattr(engine, "_report", lambda handle, due: reported.append(handle),
+                        raising=False)
+    lane = Lane()
+    lane.direction = Direction.H2D
+    lane.pending, lane.issued = queue.SimpleQueue(), queue.SimpleQueue()
+    handles = [handle_of() for _ in range(3)]
+    for handle in handles:
+        lane.pending.put(handle)
+    lane.pending.put(None)
+    issuer = threading.Thread(target=engine._issue_loop, args=(lane,))
+    completer = threading.Thread(target=engine._complete_loop, args=(lane,))
+    issuer.start()
+    completer.start()
+    issuer.join(10)
+    completer.join(10)
+    assert not issuer.is_alive() and not completer.is_alive()
+    assert reported == handles
+    for handle in handles:
+        assert handle.finished and "illegal memory access" in repr(handle.error)

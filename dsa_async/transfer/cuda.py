@@ -451,11 +451,28 @@ class CudaEngine(TransferEngine):
     # --- issuing thread ---------------------------------------------------------------------
 
     def _issue_loop(self, lane: _Lane) -> None:
-        torch.cuda.set_device(self.device)
+        try:
+            torch.cuda.set_device(self.device)
+        except BaseException as exc:  # noqa: BLE001 - the device is unusable (a sticky error)
+            log.exception("the %s issue thread could not select %s; every batch fails",
+                          lane.direction.value, self.device)
+            self._fail_every_batch(lane, exc)
+            return
         with torch.cuda.stream(lane.stream):  # every op below lands on this lane's stream
             while (handle := lane.pending.get()) is not None:
                 self._issue(lane, handle)
                 lane.issued.put(handle)
+        lane.issued.put(None)
+
+    @staticmethod
+    def _fail_every_batch(lane: _Lane, error: BaseException) -> None:
+        """Hand every batch of ``lane`` to the completion thread as failed with ``error``,
+        issuing nothing, until close() ends the queue: no request waits for ever."""
+        while (handle := lane.pending.get()) is not None:
+            progress: _Progress = getattr(handle, _STATE)
+            progress.error = error
+            progress.issued.set()
+            lane.issued.put(handle)
         lane.issued.put(None)
 
     def _issue(self, lane: _Lane, handle: BatchHandle) -> None:
@@ -557,7 +574,11 @@ class CudaEngine(TransferEngine):
     # --- completion thread ------------------------------------------------------------------
 
     def _complete_loop(self, lane: _Lane) -> None:
-        torch.cuda.set_device(self.device)
+        try:
+            torch.cuda.set_device(self.device)
+        except BaseException:  # noqa: BLE001 - the batches still end (with their errors)
+            log.exception("the %s completion thread could not select %s; it goes on",
+                          lane.direction.value, self.device)
         while (handle := lane.issued.get()) is not None:
             try:
                 self._complete(lane, handle)
