@@ -33,40 +33,46 @@ def _figures(service) -> dict[str, float]:
     return out
 
 
-def _poll_on_thread(wait, gate: threading.Event) -> float:
-    """Call ``wait(POLL_S)`` until it stops timing out, opening ``gate`` (the prefetch's
-    producer) after a few timeouts; returns how long the timed-out calls took in all."""
-    given_up_s = 0.0
-    timeouts = 0
+class _Polls:
+    """Timed-out waits of one polling consumer: opens ``gate`` (the prefetch's producer)
+    after ``POLLS_BEFORE_OPENING`` of them, and adds up how long they took."""
+
+    def __init__(self, gate) -> None:
+        self.gate, self.given_up_s, self.timeouts = gate, 0.0, 0
+
+    def timed_out(self, called: float) -> None:
+        self.given_up_s += time.perf_counter() - called
+        self.timeouts += 1
+        if self.timeouts == POLLS_BEFORE_OPENING:
+            self.gate.set()
+
+    def given_up(self) -> float:
+        assert self.timeouts >= POLLS_BEFORE_OPENING
+        return self.given_up_s
+
+
+def _poll_on_thread(wait, gate) -> float:
+    """Call ``wait(POLL_S)`` until it stops timing out; how long the timed-out calls took."""
+    polls = _Polls(gate)
     while True:
         called = time.perf_counter()
         try:
             wait(POLL_S)
-            break
+            return polls.given_up()
         except TimeoutError:
-            given_up_s += time.perf_counter() - called
-            timeouts += 1
-            if timeouts == POLLS_BEFORE_OPENING:
-                gate.set()
-    assert timeouts >= POLLS_BEFORE_OPENING
-    return given_up_s
+            polls.timed_out(called)
 
 
-async def _poll_on_loop(make_awaitable, gate: threading.Event) -> float:
-    given_up_s = 0.0
-    timeouts = 0
+async def _poll_on_loop(make_awaitable, gate) -> float:
+    """The same with ``asyncio.wait_for`` around a fresh awaitable each time."""
+    polls = _Polls(gate)
     while True:
         called = time.perf_counter()
         try:
             await asyncio.wait_for(make_awaitable(), POLL_S)
-            break
+            return polls.given_up()
         except TimeoutError:
-            given_up_s += time.perf_counter() - called
-            timeouts += 1
-            if timeouts == POLLS_BEFORE_OPENING:
-                gate.set()
-    assert timeouts >= POLLS_BEFORE_OPENING
-    return given_up_s
+            polls.timed_out(called)
 
 
 async def _thread_layer(load, gate):
@@ -110,6 +116,15 @@ CONSUMERS = {"thread-layer": _thread_layer, "thread-whole": _thread_whole,
              "thread-layer-then-loop-whole": _thread_layer_then_loop_whole}
 
 
+def _gated_load(service):
+    """Two held host pages, the figures now, and a prefetch of them held by a gate:
+    ``(held, figures, gate, load)``."""
+    held = service.allocate_host_pages(2)
+    before = _figures(service)
+    gate = threading.Event()
+    return held, before, gate, service.prefetch(held, tokens([0, 1]), after=gate)
+
+
 #: Observations of prefetch_wait_seconds each way of consuming makes: one for a wait for the
 #: whole prefetch, one more for a layer waited for alone before it.
 OBSERVATIONS = {"thread-layer": 2, "thread-whole": 1, "loop-layer": 2, "loop-whole": 1,
@@ -120,10 +135,7 @@ OBSERVATIONS = {"thread-layer": 2, "thread-whole": 1, "loop-layer": 2, "loop-who
 async def test_waits_given_up_before_a_layer_was_ready_count_when_it_is_used(tmp_path, consume):
     service, _ = make_service(tmp_path, layers=LAYERS)
     async with service, asyncio.timeout(BOUND_S):
-        held = service.allocate_host_pages(2)
-        before = _figures(service)
-        gate = threading.Event()
-        load = service.prefetch(held, tokens([0, 1]), after=gate)
+        held, before, gate, load = _gated_load(service)
         consumed_from = time.perf_counter()
         given_up_s = await CONSUMERS[consume](load, gate)
         consumed_s = time.perf_counter() - consumed_from
@@ -186,10 +198,7 @@ async def test_a_wait_given_up_on_a_layer_that_was_never_used_counts_nothing(tmp
     """A consumer that gives up and drops the prefetch leaves its layers wasted, not late."""
     service, _ = make_service(tmp_path, layers=LAYERS)
     async with service, asyncio.timeout(BOUND_S):
-        held = service.allocate_host_pages(2)
-        before = _figures(service)
-        gate = threading.Event()
-        load = service.prefetch(held, tokens([0, 1]), after=gate)
+        held, before, gate, load = _gated_load(service)
         with pytest.raises(TimeoutError):
             await asyncio.to_thread(load.wait_layer, 0, POLL_S)
         gate.set()
