@@ -363,24 +363,25 @@ class Transfer:
             seen = request.layer_seen
             if seen is None:
                 seen = request.layer_seen = bytearray(self._scheduler.num_layers)
-            unseen_layers = [layer for layer, used in enumerate(seen) if not used]
-            own = request.given_up_layer_s or {}
-            gave_up_alone = sum(1 for layer in unseen_layers if layer in own)
+            unseen = seen.count(0)
+            own = request.given_up_layer_s
+            # the layers not used yet that a consumer gave up on alone (rarely any)
+            alone = [layer for layer in own if not seen[layer]] if own else ()
             all_late = waited_s > 0.0 or request.gave_up_on_all
-            given_up_s, _ = request.take_given_up(unseen_layers)
+            given_up_s, _ = request.take_given_up(alone)
             seen[:] = b"\x01" * len(seen)
-        if not unseen_layers:
+        if not unseen:
             return
         waited_s += given_up_s
         record = self._scheduler.record_layers
         # late: all of them when this wait (or one for the whole prefetch given up on) found
         # them not ready, else the layers a consumer gave up on alone; one observation of the
         # waits for all of them, as a blocking wait for the whole prefetch makes
-        late = len(unseen_layers) if all_late else gave_up_alone
+        late = unseen if all_late else len(alone)
         if late:
             record(Timeliness.LATE, late, waited_s if waited_s > 0.0 else None)
-        if len(unseen_layers) - late:
-            record(Timeliness.ON_TIME, len(unseen_layers) - late)
+        if unseen - late:
+            record(Timeliness.ON_TIME, unseen - late)
 
     def __repr__(self) -> str:
         r = self._request
