@@ -274,6 +274,9 @@ async def test_the_default_producer_is_captured_on_the_submitting_thread(tmp_pat
 
         caller = await asyncio.to_thread(submit)
         assert engines[0].captured_on == [caller] and caller != loop_thread
+        # calls that never submit capture nothing (on CUDA: no event per statistics poll)
+        await asyncio.to_thread(lambda: service.call_threadsafe(service.statistics).result())
+        assert engines[0].captured_on == [caller]
         await service.evict(tokens([2]), host_tokens=held.token_indices())  # on the loop
         assert engines[0].captured_on[-1] == loop_thread
         service.release(held)

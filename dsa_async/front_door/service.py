@@ -795,9 +795,13 @@ class OffloadService:
             self._calls_waiting.add(future)
         # A request's default producer is the calling thread's work (CUDA: its current
         # stream): capture it here, not on the loop thread that runs the method. Whatever the
-        # callable (a bound method, a partial, a lambda, a subclass's override), it may submit.
+        # callable (a bound method, a partial, a lambda, a subclass's override), it may
+        # submit, except the calls below, which never do (a statistics poll records no event).
         engine = self._engine
-        captured = engine.capture_producer() if engine is not None else _NOT_CAPTURED
+        captured = (engine.capture_producer()
+                    if engine is not None
+                    and getattr(method, "__func__", None) not in _NEVER_SUBMIT
+                    else _NOT_CAPTURED)
 
         def run() -> None:
             with self._calls_lock:
@@ -834,6 +838,13 @@ class OffloadService:
             if future.set_running_or_notify_cancel():
                 future.set_exception(ServiceClosedError(
                     "the service closed before its loop ran this call"))
+
+
+#: Bound methods ``call_threadsafe`` runs that never submit a request: no producer is captured
+#: for them (on CUDA each capture records an event on the caller's stream).
+_NEVER_SUBMIT = frozenset({OffloadService.statistics, OffloadService.release,
+                           OffloadService.allocate_host_pages, Transfer.cancel,
+                           Transfer.add_done_callback})
 
 
 def _deadline_offset_s(deadline_s: object) -> float:
