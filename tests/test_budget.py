@@ -1,6 +1,7 @@
 import errno
 import re
 import resource
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -181,6 +182,29 @@ def test_v1_mount_rooted_at_the_container_cgroup(tmp_path):
     snap = probe(root, reserve_bytes=0)
     assert [(lvl.path, lvl.headroom_bytes) for lvl in snap.levels] == [("/docker/abc", 4 * GIB)]
     assert snap.available_bytes == 4 * GIB
+
+
+@pytest.mark.parametrize("version", ["v2", "v1"])
+def test_a_bind_of_a_subtree_does_not_hide_the_ancestors_limits(tmp_path, version):
+    # The full hierarchy is mounted, and a subtree holding the process's cgroup is mounted
+    # again elsewhere: the limit two levels up must still cap the budget, whichever mount
+    # mountinfo lists first.
+    root = make_root(tmp_path, mem_total_bytes=64 * GIB, mem_available_bytes=48 * GIB)
+    levels = {"/x": Level(2 * GIB, GIB), "/x/a": Level(None, GIB), "/x/a/b": Level(None, GIB)}
+    write = write_cgroup_v2 if version == "v2" else write_cgroup_v1
+    write(root, "/x/a/b", levels)
+    full = root / ("sys/fs/cgroup" if version == "v2" else "sys/fs/cgroup/memory")
+    shutil.copytree(full / "x/a", root / "mnt/sub")
+    fstype, options = ("cgroup2", "rw") if version == "v2" else ("cgroup", "rw,memory")
+    mountinfo = root / "proc/self/mountinfo"
+    lines = mountinfo.read_text().splitlines(keepends=True)
+    bind = f"40 23 0:30 /x/a /mnt/sub rw,relatime - {fstype} {fstype} {options}\n"
+    for order in (lines + [bind], [bind] + lines):
+        mountinfo.write_text("".join(order))
+        snap = probe(root, reserve_bytes=0)
+        assert [lvl.path for lvl in snap.levels] == ["/x/a/b", "/x/a", "/x"]
+        assert snap.available_bytes == GIB
+        assert snap.limiter is BudgetLimiter.CGROUP and snap.limiter_cgroup_path == "/x"
 
 
 def test_mountpoint_with_an_escaped_space(tmp_path):

@@ -408,8 +408,13 @@ def read_cgroup_levels(root: str | os.PathLike[str] | None = None) -> tuple[Cgro
         candidates = [m for m in mounts if m.version is version]
         if cgroup_path is None or not candidates:
             continue
-        # Prefer the mount whose root contains the process's cgroup, deepest root first.
-        mount = max(candidates, key=lambda m: (_is_under(cgroup_path, m.root), len(m.root)))
+        # A mount whose root contains the process's cgroup shows it and the levels up to that
+        # root: the shallowest such root shows the most ancestors (a bind of a subtree besides
+        # the full hierarchy must not hide the limits above it). Without one, the deepest
+        # root is the closest view there is.
+        containing = [m for m in candidates if _is_under(cgroup_path, m.root)]
+        mount = (min(containing, key=lambda m: len(m.root.rstrip("/"))) if containing
+                 else max(candidates, key=lambda m: len(m.root)))
         for path, rel in _level_paths(cgroup_path, mount):
             level = _read_level(_under(base, mount.mountpoint) / rel, path, version)
             if level is not None:
