@@ -459,6 +459,31 @@ def test_a_ledger_that_cannot_be_written_is_a_ledger_error_leaving_no_owner_lock
     assert ledger.entries() == ()
 
 
+def test_a_release_the_ledger_cannot_write_still_lets_every_process_reclaim_the_entry(
+        ledger_dir):
+    """A full file system when a reservation is released (a failed start, close()): the
+    entry stays in the file, but its owner lets go of its lock, so every reader (this process
+    or another) reads it as gone instead of counting it while this process lives."""
+    ledger = HostLedger(ledger_dir)
+    keep = ledger.reserve(GIB, label="keep")
+    held = ledger.reserve(2 * GIB, label="indexer")
+    blocker = ledger_dir / f".ledger.json.{os.getpid()}.{threading.get_ident()}.tmp"
+    blocker.mkdir()  # the temporary file cannot be created: as on a full /dev/shm
+    fds_before = set(os.listdir("/proc/self/fd"))
+    with pytest.raises(LedgerError, match="cannot write the host-memory ledger"):
+        held.release()
+    assert set(os.listdir("/proc/self/fd")) < fds_before  # its owner lock is closed
+    assert json.loads((ledger_dir / "ledger.json").read_text())["entries"][1]["id"] == (
+        held.entry_id)  # still written
+    blocker.rmdir()
+    assert [e.entry_id for e in ledger.entries()] == [keep.entry_id]
+    assert [e.entry_id for e in HostLedger(ledger_dir).entries()] == [keep.entry_id]
+    held.release()  # a retry finds nothing left to do and succeeds
+    assert held.released
+    assert [p.name for p in ledger_dir.glob("owner-*.lock")] == [f"owner-{keep.entry_id}.lock"]
+    keep.release()
+
+
 def _lock_is_free(path) -> bool:
     fd = os.open(path, os.O_RDONLY)
     try:

@@ -197,14 +197,28 @@ class Reservation:
         """Drop the entry from the ledger. Idempotent; a forked child never drops its parent's."""
         if self.released or os.getpid() != self._owner_pid:
             return
-        with self.ledger.transaction() as txn:
-            txn._remove(self.entry_id)
-            if self._owner_fd is not None:  # the entry is gone: its lock and file go too
-                fd, self._owner_fd = self._owner_fd, None
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self.ledger._owner_lock_path(self.entry_id))
-                os.close(fd)
+        try:
+            with self.ledger.transaction() as txn:
+                txn._remove(self.entry_id)
+        except BaseException:
+            # The entry may still be in the file (a full disk refused the write). Let go of
+            # its owner lock but keep the lock file: every process then reads the entry as
+            # gone and reclaims it. Unlinking the file would send them to the pid check,
+            # which counts the entry as long as this process lives. ``release()`` may be
+            # called again.
+            self._let_go_of_owner_lock(remove_file=False)
+            raise
+        self._let_go_of_owner_lock(remove_file=True)  # the entry is gone: its lock goes too
         self.released = True
+
+    def _let_go_of_owner_lock(self, *, remove_file: bool) -> None:
+        if self._owner_fd is None:
+            return
+        fd, self._owner_fd = self._owner_fd, None
+        if remove_file:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.ledger._owner_lock_path(self.entry_id))
+        os.close(fd)
 
     def __enter__(self) -> Reservation:
         return self
