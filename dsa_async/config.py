@@ -128,6 +128,12 @@ class ServiceConfig:
         _check_int("device_staging_bytes", self.device_staging_bytes, 1)
         for name in ("budget_root", "ledger_directory"):
             _check_path(name, getattr(self, name))
+        shared_page_bytes = sum(g.bytes_per_page for g in geometries)
+        if self.host_pool.bytes is not None and self.host_pool.bytes < shared_page_bytes:
+            raise ConfigError(
+                f"ServiceConfig.host_pool=PoolSize(bytes={self.host_pool.bytes:,}) holds no "
+                f"whole page: one page of {'+'.join(names)} takes {shared_page_bytes:,} B; give "
+                f"at least that, a page count (PoolSize(pages=...)) or PoolSize.auto()")
         widest_row = max(g.bytes_per_page_per_layer for g in geometries)
         if self.device_staging_bytes < 2 * widest_row:  # two halves of one page row each
             raise ConfigError(

@@ -379,6 +379,10 @@ CASES = [
          ("backend='tpu'", "use one of", "'cpu'"), service=False),
     Case("config-pool-pages", lambda ctx: PoolSize(pages=0), ConfigError,
          ("PoolSize.pages", "got 0", "use auto"), service=False),
+    Case("config-pool-below-one-page",  # one page of 3 layers: 3 * 64 * 132 = 25,344 B
+         lambda ctx: _config(host_pool=PoolSize(bytes=25_343)), ConfigError,
+         ("PoolSize(bytes=25,343)", "holds no whole page", "25,344 B", "PoolSize.auto()"),
+         service=False),
     Case("config-pool-type", lambda ctx: _config(host_pool=5), ConfigError,
          ("got 5", "PoolSize(pages=...)"), service=False),
     Case("config-timeout", lambda ctx: _config(host_wait_timeout_s=-1), ConfigError,
@@ -577,6 +581,10 @@ def test_largest_int64_size_is_accepted():
     not the type, refuses a pool that large when the service starts)."""
     assert PoolSize(pages=2**63 - 1).pages == 2**63 - 1
     assert _config(max_queued_requests=2**63 - 1).max_queued_requests == 2**63 - 1
+
+
+def test_a_pool_of_exactly_one_page_in_bytes_is_accepted():
+    assert _config(host_pool=PoolSize(bytes=25_344)).host_pool.bytes == 25_344
 
 
 _INT_KINDS = [pytest.param(lambda v: v, id="int"), pytest.param(np.int64, id="np.int64"),
