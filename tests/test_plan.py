@@ -385,6 +385,33 @@ def test_the_suggested_setting_can_be_given_as_is_and_fits(available_bytes):
     assert plan_pools([INDEXER], budget_snapshot=budget, requested_bytes=asked).fits
 
 
+@pytest.mark.parametrize("pool", [PoolSize(pages=1000), PoolSize.auto()], ids=["pages", "auto"])
+def test_a_refusal_the_reserve_causes_names_the_reserve_and_a_value_that_fits(root, pool):
+    """MemAvailable is 48 GiB and the reserve takes all of it: lowering the reserve is the
+    fix (with a value that fits when given as is), and "use auto" is not (nothing fits)."""
+    from dsa_async.cli.numbers import reserve_bytes
+
+    budget = probe_host_budget(root, reserve_bytes=48 * GIB, read_memlock=lambda: None)
+    plan = plan_pools([INDEXER], budget_snapshot=budget, num_pages=pool.pages)
+    assert not plan.fits and plan.max_pages_that_fit == 0
+    message = budget_exceeded_message(plan)
+    fix = message.split("to fix: ")[1].splitlines()[0]
+    assert "use auto" not in fix, fix
+    suggested = re.search(r"lower the reserve \(--reserve-gb / ServiceConfig.reserve_bytes, "
+                          r"now 51.54 GB \(51,539,607,552 B\)\) to <= ([0-9.]+) GB \(", fix)
+    assert suggested, fix
+    lowered = probe_host_budget(root, reserve_bytes=reserve_bytes(suggested.group(1)),
+                                read_memlock=lambda: None)
+    assert plan_pools([INDEXER], budget_snapshot=lowered, num_pages=pool.pages).fits
+
+
+def test_a_refusal_the_reserve_alone_cannot_fix_does_not_name_it(root):
+    budget = probe_host_budget(root, reserve_bytes=GIB, read_memlock=lambda: None)
+    plan = plan_pools([INDEXER], budget_snapshot=budget, requested_bytes=60 * GIB)
+    assert not plan.fits
+    assert "reserve" not in budget_exceeded_message(plan).split("to fix: ")[1]
+
+
 def test_refusal_for_many_ranks_says_so(budget):
     plan = plan_pools([INDEXER], budget_snapshot=budget, requested_bytes=10 * GB, ranks_per_host=8)
     message = budget_exceeded_message(plan)

@@ -248,6 +248,7 @@ def reserve_host_pools(
 # --- the refusal -------------------------------------------------------------------------------
 
 HOST_POOL_SETTING = "--host-pool-gb / ServiceConfig.host_pool"
+RESERVE_SETTING = "--reserve-gb / ServiceConfig.reserve_bytes"
 _UNITS = ((10**12, "TB"), (10**9, "GB"), (10**6, "MB"), (10**3, "kB"))
 
 
@@ -384,7 +385,13 @@ def budget_exceeded_message(
     else:
         one_page = format_bytes(plan.bytes_per_shared_page)
         lines.append(f"  largest that fits: 0 pages - not even one page ({one_page}) fits")
-    if not plan.auto:
+    # The reserve that would let this request fit, when lowering it alone would.
+    reserve_that_fits = (budget.available_before_reserve_bytes - plan.pending_bytes
+                         - plan.total_requested_bytes)
+    if 0 <= reserve_that_fits < budget.reserve_bytes:
+        fixes.append(f"lower the reserve ({RESERVE_SETTING}, now "
+                     f"{format_bytes(budget.reserve_bytes)}) to <= {_setting_gb(reserve_that_fits)}")
+    if not plan.auto and plan.max_pages_that_fit > 0:  # auto would be refused too otherwise
         fixes.append("use auto")
     fixes.append(raise_limit)
     if plan.pending_bytes:
