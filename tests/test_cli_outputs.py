@@ -71,11 +71,13 @@ def test_a_summary_write_that_fails_at_the_end_is_one_line_and_exit_1(capsys):
 @pytest.mark.parametrize("window, signals", [
     ("setup", ["SIGINT"]),  # while the device buffers are allocated
     ("end", ["SIGINT", "SIGTERM"]),  # while the summary is written, after the drain
+    ("exit", ["SIGTERM", "SIGINT"]),  # after the command returned, while the process ends
 ])
 def test_signals_in_any_window_of_serve_end_in_a_summary_not_a_traceback(
         tmp_path, window, signals):
     """A signal before the service is up stops the run as soon as it is (nothing ran: the
-    verdict fails, exit 1); signals after the drain only log; neither loses the summary."""
+    verdict fails, exit 1); signals after the drain only log, and once the summary decided
+    the exit code they are ignored; none loses the summary or changes the exit code."""
     out = tmp_path / "s.json"
     driver = tmp_path / "driver.py"
     driver.write_text(textwrap.dedent(f"""
@@ -99,7 +101,10 @@ def test_signals_in_any_window_of_serve_end_in_a_summary_not_a_traceback(
                 send()
                 return write(self, *args)
             summary.ServeSummary.write_json = write_after_signals
-        sys.exit(main({[*SERVE_SMALL, "--duration-s", "1", "--json-summary", str(out)]!r}))
+        code = main({[*SERVE_SMALL, "--duration-s", "1", "--json-summary", str(out)]!r})
+        if {window!r} == "exit":
+            send()
+        sys.exit(code)
     """))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run([sys.executable, str(driver)], capture_output=True, text=True,
@@ -111,6 +116,9 @@ def test_signals_in_any_window_of_serve_end_in_a_summary_not_a_traceback(
         assert proc.returncode == 1, proc.stderr
         assert summary["stop_reason"] == "SIGINT" and summary["forward_steps"] == 0
         assert summary["leaked_pages"] == 0
+        assert summary["failures"] == ["no forward step ran, so nothing was verified: SIGINT "
+                                       "stopped the run before the first step; let it run "
+                                       "longer before stopping it"]
     else:
         assert proc.returncode == 0, proc.stderr
         assert summary["stop_reason"] == "duration reached" and summary["ok"] is True

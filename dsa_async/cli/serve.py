@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     summaries = []
 
     async def main() -> None:
-        summaries.append(await serve(options_from(args)))
+        summaries.append(await serve(options_from(args), ignore_signals_after=True))
 
     try:
         uvloop.run(main())

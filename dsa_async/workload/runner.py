@@ -120,13 +120,17 @@ class _PressureHook:
         return self.engine.on_host_pressure(pages_needed) if self.engine is not None else 0
 
 
-async def serve(options: ServeOptions, *, stdout: TextIO | None = None) -> ServeSummary:
+async def serve(options: ServeOptions, *, stdout: TextIO | None = None,
+                ignore_signals_after: bool = False) -> ServeSummary:
     """Run until stopped; return the summary (also printed to ``stdout``, default
     ``sys.stdout`` as it is at the call, and written as JSON if asked).
 
     SIGINT and SIGTERM stop it from the first step to the last: one that comes during set-up
     ends the run as soon as the service is up (with the summary of what ran, nothing), and
-    later ones only log that it is already draining, until the summary is written."""
+    later ones only log that it is already draining, until the summary is written. Then the
+    signals go back to their defaults, or with ``ignore_signals_after`` (the command line,
+    whose exit code the summary has decided) are ignored for the rest of the process, so one
+    that lands while the process exits cannot turn a passing run into a killed one."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     stop_reason: list[str] = []
@@ -148,6 +152,8 @@ async def serve(options: ServeOptions, *, stdout: TextIO | None = None) -> Serve
     finally:
         for sig in signals:
             loop.remove_signal_handler(sig)
+            if ignore_signals_after:
+                signal.signal(sig, signal.SIG_IGN)  # not reset when the interpreter ends
 
 
 async def _serve(options: ServeOptions, stdout: TextIO, stop: asyncio.Event,

@@ -19,6 +19,10 @@ from .output_files import write_text_file
 from .readings import ServiceReadings
 
 
+#: The stop reasons that are signals (``signal.Signals`` names, as the runner records them).
+_SIGNAL_NAMES = frozenset({"SIGINT", "SIGTERM"})
+
+
 @dataclass(frozen=True)
 class ServeSummary:
     backend: str
@@ -72,9 +76,8 @@ class ServeSummary:
     def failures(self) -> tuple[str, ...]:
         """Why the run failed; empty when it did not."""
         return tuple(why for bad, why in (
-            (not self.forward_steps, "no forward step ran, so nothing was verified: run longer "
-                                     "(--duration-s), or give a trace whose turns arrive "
-                                     "within the run"),
+            (not self.forward_steps, "no forward step ran, so nothing was verified: "
+                                     + self._why_no_step()),
             (self.failed_steps, f"{self.failed_steps:,} of {self.forward_steps:,} forward steps "
                                 f"failed (first: {self.forward_pass_error})"),
             (self.mismatches, f"{self.mismatches:,} prefetched pages differ from their backup"),
@@ -83,6 +86,12 @@ class ServeSummary:
             (self.verified_pages != self.prefetched_pages,
              f"{self.verified_pages:,} of {self.prefetched_pages:,} prefetched pages verified"),
         ) if bad)
+
+    def _why_no_step(self) -> str:
+        if self.stop_reason in _SIGNAL_NAMES:
+            return (f"{self.stop_reason} stopped the run before the first step; let it run "
+                    f"longer before stopping it")
+        return "run longer (--duration-s), or give a trace whose turns arrive within the run"
 
     @property
     def ok(self) -> bool:
