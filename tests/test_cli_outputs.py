@@ -82,7 +82,7 @@ def test_signals_in_any_window_of_serve_end_in_a_summary_not_a_traceback(
     driver = tmp_path / "driver.py"
     driver.write_text(textwrap.dedent(f"""
         import os, signal, sys
-        from dsa_async.cli import main
+        from dsa_async.cli import console_main, main
         from dsa_async.workload import runner, summary
 
         def send():
@@ -101,9 +101,13 @@ def test_signals_in_any_window_of_serve_end_in_a_summary_not_a_traceback(
                 send()
                 return write(self, *args)
             summary.ServeSummary.write_json = write_after_signals
-        code = main({[*SERVE_SMALL, "--duration-s", "1", "--json-summary", str(out)]!r})
-        if {window!r} == "exit":
+        argv = {[*SERVE_SMALL, "--duration-s", "1", "--json-summary", str(out)]!r}
+        if {window!r} == "exit":  # the program's entry, as dsa-async runs it
+            sys.argv = ["dsa-async", *argv]
+            code = console_main()
             send()
+        else:
+            code = main(argv)
         sys.exit(code)
     """))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -122,6 +126,34 @@ def test_signals_in_any_window_of_serve_end_in_a_summary_not_a_traceback(
     else:
         assert proc.returncode == 0, proc.stderr
         assert summary["stop_reason"] == "duration reached" and summary["ok"] is True
+
+
+@pytest.mark.parametrize("command", [["serve", "--duration-s", "1"], ["plan"], ["--help"]])
+def test_ctrl_c_while_the_command_line_loads_torch_is_exit_130_not_a_traceback(tmp_path, command):
+    """The first seconds of every command go to importing torch: a Ctrl-C then (sent here the
+    moment torch is asked for) ends the command with one line and 130."""
+    driver = tmp_path / "driver.py"
+    driver.write_text(textwrap.dedent(f"""
+        import importlib.abc, os, signal, sys
+
+        class CtrlCAtTorch(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path, target=None):
+                if name == "torch":
+                    sys.meta_path.remove(self)
+                    os.kill(os.getpid(), signal.SIGINT)
+                return None
+
+        sys.meta_path.insert(0, CtrlCAtTorch())
+        from dsa_async.cli import main
+        sys.exit(main({command!r}))
+    """))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, str(driver)], capture_output=True, text=True,
+                          timeout=DEADLINE_S, env=env)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stderr == "dsa-async: interrupted while starting\n"
+    assert proc.stdout == ""
 
 
 def test_the_output_path_check_refuses_pseudo_files_and_accepts_standard_streams():

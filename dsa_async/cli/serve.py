@@ -124,7 +124,8 @@ def run(args: argparse.Namespace) -> int:
     summaries = []
 
     async def main() -> None:
-        summaries.append(await serve(options_from(args), ignore_signals_after=True))
+        summaries.append(await serve(options_from(args),
+                                     ignore_signals_after=getattr(args, "as_program", False)))
 
     try:
         uvloop.run(main())

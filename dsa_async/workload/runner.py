@@ -128,9 +128,9 @@ async def serve(options: ServeOptions, *, stdout: TextIO | None = None,
     SIGINT and SIGTERM stop it from the first step to the last: one that comes during set-up
     ends the run as soon as the service is up (with the summary of what ran, nothing), and
     later ones only log that it is already draining, until the summary is written. Then the
-    signals go back to their defaults, or with ``ignore_signals_after`` (the command line,
-    whose exit code the summary has decided) are ignored for the rest of the process, so one
-    that lands while the process exits cannot turn a passing run into a killed one."""
+    signals go back to their defaults, or with ``ignore_signals_after`` (the program, whose
+    exit code the summary has decided) are ignored for the rest of the process, so one that
+    lands while the process exits cannot turn a passing run into a killed one."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     stop_reason: list[str] = []
