@@ -95,9 +95,11 @@ async def test_an_async_hook_is_asked_once_per_shortage(tmp_path):
         assert calls == [1, 2]
 
 
-async def test_a_hook_still_running_at_close_ends_before_the_pool_goes(tmp_path):
+@pytest.mark.parametrize("close", ["whole", "cut"])
+async def test_a_hook_still_running_at_close_ends_before_the_pool_goes(tmp_path, close):
     """close() cancels a hook's coroutine and waits for it (its clean-up may still await):
-    nothing it triggers afterwards meets a service without a pool."""
+    nothing it triggers afterwards meets a service without a pool. Also when the close is
+    itself cut short by a timeout around it while its drain waits for a copy."""
     cleaned_up = asyncio.Event()
 
     async def hook(pages_needed: int) -> None:
@@ -107,16 +109,26 @@ async def test_a_hook_still_running_at_close_ends_before_the_pool_goes(tmp_path)
             await asyncio.sleep(0.05)  # clean-up that awaits
             cleaned_up.set()
 
-    service, _ = make_service(tmp_path, host_pages=2, host_wait_timeout_s=60,
-                              drain_timeout_s=0.2)
+    service, _ = make_service(tmp_path, host_pages=3, host_wait_timeout_s=60,
+                              drain_timeout_s=0.2 if close == "whole" else 30)
     service.on_host_pressure = hook
+    never = threading.Event()  # a producer that never fires: the drain waits for its copy
     async with asyncio.timeout(BOUND_S):
-        async with service:
-            held = service.allocate_host_pages(2)
-            waiting = service.evict(Pages([0]))
-            await _settle(service)
+        await service.start()
+        held = service.allocate_host_pages(2)
+        gated = service.evict(Pages([5]), after=never)
+        waiting = service.evict(Pages([0, 1]))  # short of host pages: the hook runs
+        await _settle(service)
+        if close == "whole":
+            await service.close()
+        else:
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(0.2):
+                    await service.close()
+        assert service.state.value == "closed"
         assert cleaned_up.is_set()
         assert waiting.cancelled()
+        assert gated.done()
         del held
         await asyncio.sleep(0.1)  # any late callback would run now
 
@@ -222,6 +234,31 @@ async def test_close_during_start_closes_what_start_made(tmp_path):
         await service.close()
         assert service.state.value == "closed"
         await starting  # start() itself succeeded; close() came after it
+        assert service.state.value == "closed"
+        with pytest.raises(ServiceClosedError):
+            service.evict(Pages([0]))
+        await asyncio.sleep(0)
+    left = [t for t in set(threading.enumerate()) - threads_before if t.name.startswith("dsa")]
+    assert left == []
+    assert HostLedger(tmp_path / "ledger").entries() == ()
+
+
+async def test_a_close_cut_short_while_start_runs_still_closes_what_start_made(tmp_path):
+    """close() cancelled (a timeout around it) while it waits for start(): it still waits for
+    the start, closes what it made, then raises; the service never runs on."""
+    service, _ = make_service(tmp_path, host_pages=8192)
+    threads_before = set(threading.enumerate())
+    async with asyncio.timeout(BOUND_S):
+        starting = asyncio.ensure_future(service.start())
+        await asyncio.sleep(0)  # start() is under way
+        assert service.state.value == "starting"
+        closing = asyncio.ensure_future(service.close())
+        await asyncio.sleep(0)
+        closing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await closing
+        assert service.state.value == "closed"
+        await starting
         assert service.state.value == "closed"
         with pytest.raises(ServiceClosedError):
             service.evict(Pages([0]))

@@ -265,20 +265,26 @@ class OffloadService:
         waiting for free host pages are cancelled at once (a closing service takes no
         releases, so none could come); copies already started always complete (never torn).
         Called while ``start()`` runs, it waits for the start to end, then closes what it
-        started."""
+        started; cancelled in that wait, it still waits for the start, closes without the
+        drain (as when cancelled in it), then raises ``CancelledError``."""
+        cut = False
         if self._state is ServiceState.STARTING:
-            await self._start_ended.wait()
+            cut = await awaited_to_the_end(self._start_ended.wait())
         if self._state is ServiceState.CLOSING:
+            if cut:  # another close() is at it; this one's caller has given up waiting
+                raise asyncio.CancelledError
             await self._closed.wait()
             return
         if self._state in (ServiceState.CLOSED, ServiceState.NEW):
             self._state = ServiceState.CLOSED
+            if cut:
+                raise asyncio.CancelledError
             return
         self._state = ServiceState.CLOSING
         try:
             if self._inbox is not None:
                 self._inbox.close()  # threads' later posts raise; what they posted is drained
-            if self._scheduler is not None:
+            if self._scheduler is not None and not cut:
                 await self._scheduler.drain(self.config.drain_timeout_s)
                 self._scheduler.publish_state(now=True)  # the drained state, for a last scrape
         finally:
@@ -288,6 +294,8 @@ class OffloadService:
                 self._state = ServiceState.CLOSED
                 self._end_threadsafe_calls()
                 self._closed.set()
+        if cut:
+            raise asyncio.CancelledError
 
     async def _release_resources(self) -> None:
         """Return everything that can be returned, each step whatever the others did: an
@@ -297,6 +305,9 @@ class OffloadService:
         an engine close still running then is not waited for (a wedged device may never let
         it end): it goes on on its own thread."""
         cancelled = False
+        if self._scheduler is not None:  # after a full drain none are left
+            cancelled |= await awaited_to_the_end(
+                self._scheduler.end_pressure_hooks(self.config.drain_timeout_s))
         if self._lag_monitor is not None:
             monitor, self._lag_monitor = self._lag_monitor, None
             try:

@@ -758,7 +758,12 @@ class Scheduler:
                 if not await self._idle_within(timeout_s):
                     log.error("close(): the engine did not report %d copies within %.3g s "
                               "more; closing without them", self.inflight_requests, timeout_s)
-        if self._pressure_tasks:  # hooks still at work: they end before the pool goes
+        await self.end_pressure_hooks(timeout_s)  # they end before the pool goes
+
+    async def end_pressure_hooks(self, timeout_s: float) -> None:
+        """Cancel the caller's hook coroutines still running and wait up to ``timeout_s`` for
+        them to end (close(): on every path, a cancelled close() too)."""
+        if self._pressure_tasks:
             for task in self._pressure_tasks:
                 task.cancel()
             await asyncio.wait(list(self._pressure_tasks), timeout=timeout_s)
